@@ -1,0 +1,38 @@
+"""ds_canzona: load-balanced matrix optimizers (Muon, Shampoo, SOAP) for DeepSpeed ZeRO."""
+
+from setuptools import setup
+
+setup(
+    name="ds_canzona",
+    version="0.1.0",
+    description="Canzona-style atomic, load-balanced matrix optimizers as a DeepSpeed ZeRO backend",
+    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    # kernels/ is installed as ds_canzona.kernels: a top-level `kernels` module would shadow
+    # HuggingFace's `kernels` package, which transformers imports when it is present.
+    packages=[
+        "ds_canzona",
+        "ds_canzona.plan",
+        "ds_canzona.optim",
+        "ds_canzona.zero",
+        "ds_canzona.bench",
+        "ds_canzona.kernels",
+    ],
+    package_dir={"ds_canzona.kernels": "kernels"},
+    package_data={"ds_canzona": ["data/*.json", "data/*/*.json", "data/*.txt"]},
+    include_package_data=True,
+    install_requires=[
+        "torch>=2.4",
+        "deepspeed>=0.19,<0.20",
+        "triton>=3.0; platform_system=='Linux'",
+        "hjson",
+        "safetensors",
+    ],
+    extras_require={
+        "test": ["pytest", "transformers", "accelerate"],
+        "hf": ["transformers", "accelerate"],
+        "plots": ["matplotlib"],
+    },
+    entry_points={"console_scripts": ["ds-canzona=ds_canzona.cli:main"]},
+)
