@@ -1,21 +1,22 @@
-"""Plain-torch references of the kernel functions (placeholder until the kernel modules land)."""
+"""The plain-torch references, gathered (kept for imports written before the per-family modules).
 
-import torch
+Each reference lives beside its kernel: ``syrk.py``, ``newton_schulz.py``, ``shampoo.py``.
+"""
 
+from ds_canzona.kernels import xxt_reference
+from ds_canzona.kernels.newton_schulz import ns_step_reference
+from ds_canzona.kernels.shampoo import (
+    coupled_newton_step_reference,
+    inverse_root_newton_reference,
+    sym_stat_update_reference,
+)
+from ds_canzona.kernels.syrk import syrk_reference
 
-def xxt_reference(x: torch.Tensor) -> torch.Tensor:
-    """X @ X^T for a matrix or a stack of matrices (..., m, n) -> (..., m, m)."""
-    return x @ x.mT
-
-
-def ns_step_reference(x: torch.Tensor, a: float, b: float, c: float) -> torch.Tensor:
-    """One quintic Newton-Schulz step: A = X X^T, B = b A + c A A, X' = a X + B X."""
-    gram = x @ x.mT
-    poly = b * gram + c * (gram @ gram)
-    return a * x + poly @ x
-
-
-def sym_stat_update_reference(stat: torch.Tensor, g: torch.Tensor, beta: float) -> torch.Tensor:
-    """In place: stat = beta * stat + (1 - beta) * g g^T (Shampoo's left statistic)."""
-    stat.mul_(beta).add_(g @ g.mT, alpha=1.0 - beta)
-    return stat
+__all__ = [
+    "coupled_newton_step_reference",
+    "inverse_root_newton_reference",
+    "ns_step_reference",
+    "sym_stat_update_reference",
+    "syrk_reference",
+    "xxt_reference",
+]
