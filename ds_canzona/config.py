@@ -1,0 +1,89 @@
+"""The ``canzona`` section of a DeepSpeed config, validated before anything is allocated.
+
+DeepSpeed keeps unknown top-level sections without looking at them, so this section has to
+validate itself: an unknown key, a wrong type or a value out of range is one error naming the
+key. The model follows DeepSpeed's own config models (pydantic, ``extra="forbid"``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, StrictBool, ValidationError, field_validator
+
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+
+CANZONA_SECTION = "canzona"
+
+# Optimizer names that the canzona backend builds from the config's "optimizer" section, and
+# the per-tensor kind each one uses for matrices. Non-matrix tensors always go to AdamW.
+MATRIX_OPTIMIZERS = {"muon": "muon", "shampoo": "shampoo", "soap": "soap"}
+
+
+class CanzonaConfigError(ValueError):
+    """A bad ``canzona`` section or an unsupported combination with the rest of the config."""
+
+
+class CanzonaConfig(DeepSpeedConfigModel):
+    """The ``canzona`` section: how ds_canzona plans and runs the ZeRO-1/2 optimizer step."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True, validate_assignment=True,
+                              use_enum_values=True, populate_by_name=True, arbitrary_types_allowed=True,
+                              protected_namespaces=())
+
+    enabled: StrictBool = True
+    """Build ds_canzona's ZeRO stage 1/2 optimizer. false: stock DeepSpeed, as if the section were absent."""
+
+    alpha: float = Field(1.0, ge=0.0, le=1.0)
+    """Blend of even elements per rank (0: best for communication) and even optimizer cost (1: best for compute)."""
+
+    bucket_numel: int | None = Field(None, gt=0)
+    """Elements per gradient/parameter bucket. Default: zero_optimization.reduce_bucket_size."""
+
+    strategy: Literal["alpha_balanced", "start_index", "uniform"] = "alpha_balanced"
+    """Cut placement. uniform is accepted only by the planner CLI and benchmarks; the runtime needs whole-tensor owners."""
+
+    cost_model: Literal["flops", "numel"] = "flops"
+    """What the planner balances: exact optimizer FLOPs per tensor, or the paper's numel."""
+
+    kernels: Literal["auto", "triton", "torch"] = "auto"
+    """Matrix kernels: Triton on CUDA where the shape is supported (auto), always Triton, or the torch reference."""
+
+    log_plan: StrictBool = True
+    """Rank 0 logs the plan summary (buckets, per-rank cost and memory, the ratios) at init."""
+
+    comm_timeout_s: float = Field(600.0, gt=0.0)
+    """Seconds a rank waits for a peer in ds_canzona's own checks before it raises instead of hanging."""
+
+    @field_validator("strategy")
+    @classmethod
+    def _runtime_strategy(cls, value: str) -> str:
+        if value == "uniform":
+            raise ValueError("'uniform' splits tensors across ranks; the runtime needs whole-tensor owners "
+                             "(use 'alpha_balanced' or 'start_index')")
+        return value
+
+
+def _format_error(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors():
+        key = ".".join(str(p) for p in item["loc"]) or "<section>"
+        if item["type"] == "extra_forbidden":
+            parts.append(f"unknown key '{CANZONA_SECTION}.{key}'")
+        else:
+            parts.append(f"'{CANZONA_SECTION}.{key}': {item['msg']} (got {item.get('input')!r})")
+    return "; ".join(parts)
+
+
+def parse_canzona_section(param_dict: dict[str, Any]) -> CanzonaConfig | None:
+    """The validated section of a DeepSpeed config dict, or None when it is absent or disabled."""
+    raw = param_dict.get(CANZONA_SECTION)
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise CanzonaConfigError(f"'{CANZONA_SECTION}' must be an object, got {type(raw).__name__}")
+    try:
+        config = CanzonaConfig(strict=True, **raw)
+    except ValidationError as error:
+        raise CanzonaConfigError(f"invalid DeepSpeed config: {_format_error(error)}") from None
+    return config if config.enabled else None

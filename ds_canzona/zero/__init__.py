@@ -1,0 +1,1 @@
+"""DeepSpeed runtime: the engine hook, bucketed buffers, the ZeRO-1/2 optimizer, checkpoints."""

@@ -1,0 +1,76 @@
+"""Uneven bucket collectives over deepspeed.comm, with the bytes they move counted.
+
+A bucket is cut into one contiguous segment per rank (``cuts``); segments may differ in size
+and may be empty. reduce-scatter with uneven input lists works on every backend we use (gloo,
+NCCL). gloo rejects all-gather of uneven sizes, so there each segment is padded to the largest
+one and gathered with one all_gather_into_tensor; backends that take uneven lists get them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+import deepspeed.comm as dist
+
+
+@dataclass
+class CommCounter:
+    """Bytes this rank sends into each kind of collective, and how many were launched."""
+
+    bytes: Counter = field(default_factory=Counter)
+    calls: Counter = field(default_factory=Counter)
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.bytes[kind] += int(nbytes)
+        self.calls[kind] += 1
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+
+def _backend_name(group) -> str:
+    return str(torch.distributed.get_backend(group)).lower()
+
+
+def segment_views(flat: torch.Tensor, cuts: tuple[int, ...]) -> list[torch.Tensor]:
+    return [flat[cuts[r]:cuts[r + 1]] for r in range(len(cuts) - 1)]
+
+
+def reduce_scatter_uneven(out: torch.Tensor, flat: torch.Tensor, cuts: tuple[int, ...], *, group,
+                          counter: CommCounter, async_op: bool):
+    """Sum ``flat`` over ranks; rank r receives its segment [cuts[r], cuts[r+1]) into ``out``."""
+    counter.add("reduce_scatter", flat.numel() * flat.element_size())
+    return dist.reduce_scatter(out, segment_views(flat, cuts), group=group, async_op=async_op)
+
+
+def all_gather_uneven(flat: torch.Tensor, cuts: tuple[int, ...], rank: int, *, group,
+                      counter: CommCounter) -> None:
+    """Every rank's segment of ``flat`` is broadcast into the same place on all ranks, in place."""
+    sizes = [cuts[r + 1] - cuts[r] for r in range(len(cuts) - 1)]
+    world = len(sizes)
+    if world == 1:
+        return
+    if _backend_name(group) != "gloo":
+        counter.add("all_gather", flat.numel() * flat.element_size())
+        dist.all_gather(segment_views(flat, cuts), flat[cuts[rank]:cuts[rank + 1]], group=group)
+        return
+    width = max(sizes)
+    if width == 0:
+        return
+    padded = torch.zeros(world * width, dtype=flat.dtype, device=flat.device)
+    mine = padded[rank * width:rank * width + sizes[rank]]
+    mine.copy_(flat[cuts[rank]:cuts[rank + 1]])
+    counter.add("all_gather", padded.numel() * padded.element_size())
+    dist.all_gather_into_tensor(padded, padded[rank * width:(rank + 1) * width].clone(), group=group)
+    for r in range(world):
+        if r != rank and sizes[r]:
+            flat[cuts[r]:cuts[r + 1]].copy_(padded[r * width:r * width + sizes[r]])
+
+
+def all_reduce_sum(tensor: torch.Tensor, *, group, counter: CommCounter, kind: str) -> None:
+    counter.add(kind, tensor.numel() * tensor.element_size())
+    dist.all_reduce(tensor, group=group)

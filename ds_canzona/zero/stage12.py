@@ -1,0 +1,363 @@
+"""ZeRO stage 1/2 with atomic start-index ownership (Canzona, data parallel).
+
+Numeric contract: given the same averaged gradients, every owned tensor is updated by exactly
+the per-tensor rule that the single-process ``ds_canzona.optim`` optimizers run, on the same
+fp32 values, and gradient clipping uses a norm summed in float64 in buffer order
+(``ds_canzona.optim.clipping``), so parameters after a step equal the single-process result bit
+for bit at every world size. What differs from single-process training on the whole batch is
+only the order in which the reduce-scatter sums the ranks' gradients.
+
+Data flow per optimizer step:
+
+    backward:  grads accumulate into per-bucket flat buffers (plan order)
+               stage 2: a bucket is reduce-scattered (uneven cuts) as soon as it is complete on
+               the boundary micro-batch; stage 1: all buckets at the boundary
+    step:      average, one all-reduce of per-tensor squared norms (overflow + clipping),
+               each rank updates the whole tensors it owns, then one all-gather per bucket
+
+No collective runs inside the optimizer math.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+import deepspeed.comm as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.base_optimizer import ZeROOptimizer
+from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
+
+from ds_canzona.config import CanzonaConfig
+from ds_canzona.optim import rule_for_group
+from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
+from ds_canzona.plan import DPPlan, ParamSpec, cost_model, plan_dp_partitions
+from ds_canzona.zero.comm import CommCounter, all_gather_uneven, all_reduce_sum, reduce_scatter_uneven
+
+logger = logging.getLogger("ds_canzona")
+
+
+class PlanMismatchError(RuntimeError):
+    """Ranks computed different plans: different models, configs or library versions."""
+
+
+@dataclass
+class OwnedTensor:
+    """What the owner rank keeps for one whole tensor: fp32 master, optimizer state, group."""
+
+    index: int
+    name: str
+    master: torch.Tensor
+    state: dict
+    group: dict
+
+
+def _parameter_kinds(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, dict]:
+    groups: dict[torch.Tensor, dict] = {}
+    for group in optimizer.param_groups:
+        if "kind" not in group:
+            raise ValueError("ds_canzona's ZeRO optimizer needs param groups with a 'kind' "
+                             "(use ds_canzona.optim.Muon, Shampoo, SOAP or AdamW)")
+        for p in group["params"]:
+            groups[p] = group
+    return groups
+
+
+class CanzonaZeroOptimizer(ZeROOptimizer):
+    """DeepSpeed ZeRO stage 1/2 optimizer in which every tensor is owned whole by one rank.
+
+    ``optimizer`` is a ``ds_canzona.optim`` optimizer: its ``param_groups`` (with 'kind' and
+    the hyper-parameters) are the ones the engine's lr scheduler edits, and its per-tensor rules
+    are what this class runs on the owned tensors. Its own ``step`` is never called.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, param_names: dict, config: CanzonaConfig,
+                 stage: int, dp_process_group, clip_grad: float, bucket_numel: int,
+                 static_loss_scale: float = 1.0, dynamic_loss_scale: bool = False, dynamic_loss_args=None,
+                 gradient_predivide_factor: float = 1.0, postscale_gradients: bool = True,
+                 gradient_average: bool = True):
+        super().__init__()
+        if stage not in (1, 2):
+            raise ValueError(f"ds_canzona supports ZeRO stage 1 and 2, got {stage=}")
+        self.optimizer = optimizer
+        self.config = config
+        self.stage = stage
+        self.partition_gradients = stage == 2
+        self.dp_process_group = dp_process_group
+        self.clip_grad = float(clip_grad or 0.0)
+        self.gradient_predivide_factor = float(gradient_predivide_factor)
+        self.postscale_gradients = postscale_gradients
+        self.gradient_average = gradient_average
+        self.world_size = dist.get_world_size(group=dp_process_group)
+        self.rank = dist.get_rank(group=dp_process_group)
+        self.device = torch.device(get_accelerator().current_device_name())
+        self.comm = CommCounter()
+        self.overflow = False
+        self._global_grad_norm = 0.0
+        self.custom_loss_scaler = False
+        self.external_loss_scale = None
+        self.torch_autocast_gradscaler = None
+
+        # Buffer order is the model's named_parameters() order, restricted to what the
+        # optimizer trains: every rank derives the same order from the same model.
+        group_of = _parameter_kinds(optimizer)
+        self.params: list[torch.nn.Parameter] = [p for p in param_names if p in group_of and p.requires_grad]
+        unknown = [p for p in group_of if p not in param_names]
+        if unknown:
+            raise ValueError(f"{len(unknown)} optimizer parameters are not parameters of the model")
+        if not self.params:
+            raise ValueError("the optimizer has no trainable parameters of the model")
+        self.names = [param_names[p] for p in self.params]
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) != 1:
+            raise ValueError(f"ds_canzona needs one parameter dtype across the model, found {sorted(map(str, dtypes))}")
+        self.dtype = dtypes.pop()
+        self.groups = [group_of[p] for p in self.params]
+
+        self.plan = self._make_plan(bucket_numel)
+        self._check_plan_agreement()
+        if config.log_plan and dist.get_rank() == 0:
+            logger.info(self.plan_summary())
+
+        self.loss_scaler = CreateLossScaler(dtype=self.dtype, static_loss_scale=static_loss_scale,
+                                            dynamic_scaling=dynamic_loss_scale, dynamic_loss_args=dynamic_loss_args)
+        self.dynamic_loss_scale = self.loss_scaler.dynamic
+
+        self._build_buffers()
+        self._owned = self._build_owned_state()
+        self._register_grad_hooks()
+        self._reset_reduction()
+
+    # ------------------------------------------------------------------ planning
+    def _make_plan(self, bucket_numel: int) -> DPPlan:
+        specs = [ParamSpec(name=name, shape=tuple(p.shape), matrix=group["kind"] != "adamw")
+                 for name, p, group in zip(self.names, self.params, self.groups)]
+        matrix_kinds = sorted({g["kind"] for g in self.groups if g["kind"] != "adamw"})
+        cost = cost_model(self.config.cost_model, optimizer=matrix_kinds[0] if matrix_kinds else "muon")
+        return plan_dp_partitions(specs, world_size=self.world_size, bucket_numel=bucket_numel,
+                                  alpha=self.config.alpha, strategy=self.config.strategy, cost=cost)
+
+    def _check_plan_agreement(self) -> None:
+        """Compare the plan's digest across ranks before any other collective."""
+        if self.world_size == 1:
+            return
+        digest = bytes.fromhex(self.plan.digest())
+        mine = torch.tensor(list(digest), dtype=torch.uint8, device=self.device)
+        everyone = torch.empty(self.world_size * mine.numel(), dtype=torch.uint8, device=self.device)
+        dist.all_gather_into_tensor(everyone, mine, group=self.dp_process_group)
+        rows = everyone.view(self.world_size, -1).cpu()
+        differ = [r for r in range(self.world_size) if not torch.equal(rows[r], rows[0])]
+        if differ:
+            raise PlanMismatchError(
+                f"optimizer plans differ across ranks: ranks {differ} disagree with rank 0 (different models, "
+                "configs or ds_canzona versions)")
+
+    def plan_summary(self) -> str:
+        plan = self.plan
+        costs, numels = plan.rank_costs(), plan.rank_numels()
+        lines = [f"ds_canzona plan: {len(plan.buckets)} buckets, {len(plan.specs)} tensors, DP={plan.world_size}, "
+                 f"strategy={plan.strategy}, alpha={plan.alpha}, cost={plan.cost_model}, "
+                 f"flops max/avg={plan.flops_ratio:.3f}, memory max/avg={plan.memory_ratio:.3f}"]
+        for r in range(plan.world_size):
+            lines.append(f"  rank {r}: cost {costs[r]:.3e}, {numels[r]} elements, "
+                         f"{len(plan.owned_params(r))} tensors")
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ buffers and state
+    def _build_buffers(self) -> None:
+        plan = self.plan
+        self.param_flat: list[torch.Tensor] = []
+        self.grad_flat: list[torch.Tensor] = []
+        self.grad_segment: list[torch.Tensor] = []
+        self.param_views: list[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
+        self.grad_views: list[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
+        for bucket in plan.buckets:
+            flat = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
+            grads = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
+            for i in range(bucket.first, bucket.stop):
+                p, start = self.params[i], plan.offset[i]
+                view = flat[start:start + p.numel()].view_as(p)
+                view.copy_(p.data)
+                p.data = view
+                self.param_views[i] = view
+                self.grad_views[i] = grads[start:start + p.numel()].view_as(p)
+            self.param_flat.append(flat)
+            self.grad_flat.append(grads)
+            cuts = bucket.cuts
+            self.grad_segment.append(torch.empty(cuts[self.rank + 1] - cuts[self.rank], dtype=self.dtype,
+                                                 device=self.device))
+
+    def _build_owned_state(self) -> list[OwnedTensor]:
+        owned = []
+        for i in self.plan.owned_params(self.rank):
+            view = self.param_views[i]
+            # fp32 models update the buffer in place; lower precision keeps an fp32 master.
+            master = view if view.dtype == torch.float32 else view.detach().float().clone()
+            group = self.groups[i]
+            owned.append(OwnedTensor(index=i, name=self.names[i], master=master,
+                                     state=rule_for_group(group).init_state(master), group=group))
+        return owned
+
+    def _segment_grad(self, i: int) -> torch.Tensor:
+        """The reduced gradient of owned tensor i inside this rank's segment buffer."""
+        b = self.plan.bucket_of[i]
+        start = self.plan.offset[i] - self.plan.buckets[b].cuts[self.rank]
+        return self.grad_segment[b][start:start + self.params[i].numel()].view_as(self.params[i])
+
+    # ------------------------------------------------------------------ backward
+    def _register_grad_hooks(self) -> None:
+        self._hook_handles = []
+        for i, p in enumerate(self.params):
+            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(i)))
+
+    def _make_grad_hook(self, i: int):
+        bucket = self.plan.bucket_of[i]
+
+        def hook(param: torch.Tensor) -> None:
+            self.grad_views[i].add_(param.grad)
+            param.grad = None
+            if self.partition_gradients and self.is_gradient_accumulation_boundary():
+                self._pending[bucket] -= 1
+                if self._pending[bucket] == 0:
+                    self._launch_ready_buckets()
+
+        return hook
+
+    def _reset_reduction(self) -> None:
+        self._pending = [b.stop - b.first for b in self.plan.buckets]
+        self._next_bucket = len(self.plan.buckets) - 1
+        self._handles: list = []
+
+    def _launch_bucket(self, b: int) -> None:
+        flat = self.grad_flat[b]
+        if self.gradient_predivide_factor != 1.0:
+            flat.div_(self.gradient_predivide_factor)
+        handle = reduce_scatter_uneven(self.grad_segment[b], flat, self.plan.buckets[b].cuts,
+                                       group=self.dp_process_group, counter=self.comm,
+                                       async_op=self.partition_gradients)
+        if handle is not None:
+            self._handles.append(handle)
+
+    def _launch_ready_buckets(self, *, all_remaining: bool = False) -> None:
+        # Buckets go out in one fixed order on every rank (last bucket first, as backward
+        # completes them), so ranks never disagree on which collective comes next.
+        while self._next_bucket >= 0 and (all_remaining or self._pending[self._next_bucket] == 0):
+            self._launch_bucket(self._next_bucket)
+            self._next_bucket -= 1
+
+    def _finish_reduction(self) -> None:
+        self._launch_ready_buckets(all_remaining=True)
+        for handle in self._handles:
+            handle.wait()
+        self._handles = []
+
+    def overlapping_partition_gradients_reduce_epilogue(self) -> None:
+        """Engine hook after every backward under stage 2: flush at the boundary."""
+        if self.is_gradient_accumulation_boundary():
+            self._finish_reduction()
+
+    def reduce_gradients(self, pipeline_parallel: bool = False) -> None:
+        """Engine hook at the accumulation boundary under stage 1: reduce-scatter every bucket."""
+        self._finish_reduction()
+
+    # ------------------------------------------------------------------ step
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.cur_scale
+
+    @property
+    def cur_scale(self) -> float:
+        return self.loss_scaler.cur_scale
+
+    def owned_gradients(self) -> dict[str, torch.Tensor]:
+        """The averaged (unclipped) fp32 gradients of the owned tensors, for tests and tools."""
+        self._finish_reduction()
+        return {t.name: self._averaged_grad(t.index) for t in self._owned}
+
+    def _averaged_grad(self, i: int) -> torch.Tensor:
+        grad = self._segment_grad(i).to(torch.float32, copy=True)
+        if self.gradient_average:
+            post = self.world_size / self.gradient_predivide_factor
+            if post != 1.0:
+                grad.div_(post)
+        if self.loss_scaler.cur_scale != 1.0:
+            grad.div_(self.loss_scaler.cur_scale)
+        return grad
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self._finish_reduction()
+        grads = [self._averaged_grad(t.index) for t in self._owned]
+
+        # One collective for both the overflow check and clipping: every entry is non-zero on
+        # its owner only, so the all-reduced vector is exact, and its sum in buffer order is
+        # the same number on every rank and at every world size.
+        sq_norms = torch.zeros(len(self.params), dtype=torch.float64, device=self.device)
+        for t, g in zip(self._owned, grads):
+            sq_norms[t.index] = tensor_sq_norm(g)
+        all_reduce_sum(sq_norms, group=self.dp_process_group, counter=self.comm, kind="all_reduce")
+        self.overflow = not bool(torch.isfinite(sq_norms).all())
+        self.loss_scaler.update_scale(self.overflow)
+        if self.overflow:
+            self._global_grad_norm = float("inf")
+            self.zero_grad()
+            return None
+
+        self._global_grad_norm, coefficient = clip_coefficient(sq_norms, self.clip_grad)
+        if coefficient < 1.0:
+            for g in grads:
+                g.mul_(coefficient)
+
+        self._update_owned(grads)
+        self.refresh_params_from_masters()
+        self.zero_grad()
+        return None
+
+    def _update_owned(self, grads: list[torch.Tensor]) -> None:
+        """Run each group's per-tensor rule on the owned tensors of that group."""
+        for group in self.optimizer.param_groups:
+            members = [(t, g) for t, g in zip(self._owned, grads) if t.group is group]
+            if not members:
+                continue
+            rule_for_group(group).update_([t.master for t, _ in members], [g for _, g in members],
+                                          [t.state for t, _ in members], lr=group["lr"])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for flat in self.grad_flat:
+            flat.zero_()
+        for p in self.params:
+            p.grad = None
+        self._reset_reduction()
+
+    # ------------------------------------------------------------------ engine glue
+    def backward(self, loss, retain_graph: bool = False):
+        self.enter_backward()
+        self.scale_if_loss(loss).backward(retain_graph=retain_graph)
+        self.exit_backward()
+
+    def owned_tensors(self) -> list[OwnedTensor]:
+        return list(self._owned)
+
+    @torch.no_grad()
+    def refresh_params_from_masters(self) -> None:
+        """Write owned masters into the low-precision params and all-gather every bucket."""
+        for t in self._owned:
+            if t.master is not self.param_views[t.index]:
+                self.param_views[t.index].copy_(t.master)
+        for b, bucket in enumerate(self.plan.buckets):
+            all_gather_uneven(self.param_flat[b], bucket.cuts, self.rank, group=self.dp_process_group,
+                              counter=self.comm)
+
+    def state_dict(self):
+        raise NotImplementedError("ds_canzona checkpoints are written by engine.save_checkpoint "
+                                  "(see ds_canzona.zero.checkpoint)")
+
+    def load_state_dict(self, *args, **kwargs):
+        raise NotImplementedError("ds_canzona checkpoints are read by engine.load_checkpoint "
+                                  "(see ds_canzona.zero.checkpoint)")

@@ -1,0 +1,91 @@
+"""The `canzona` config section: validation before anything is allocated, and the stock path."""
+
+from __future__ import annotations
+
+import pytest
+
+from distributed import run_ranks
+
+BAD_SECTIONS = [
+    ({"alpha": 1.5}, "canzona.alpha"),
+    ({"alpha": -0.1}, "canzona.alpha"),
+    ({"alpha": "high"}, "canzona.alpha"),
+    ({"bucket_numel": 0}, "canzona.bucket_numel"),
+    ({"bucket_numel": -5}, "canzona.bucket_numel"),
+    ({"bucket_numel": "big"}, "canzona.bucket_numel"),
+    ({"cost_model": "time"}, "canzona.cost_model"),
+    ({"kernels": "cuda"}, "canzona.kernels"),
+    ({"strategy": "uniform"}, "canzona.strategy"),
+    ({"strategy": "greedy"}, "canzona.strategy"),
+    ({"enabled": "yes"}, "canzona.enabled"),
+    ({"log_plan": 3}, "canzona.log_plan"),
+    ({"alhpa": 1.0}, "canzona.alhpa"),
+    ({"comm_timeout_s": 0}, "canzona.comm_timeout_s"),
+]
+
+
+def _try_configs(rank, world_size, cases):
+    from zero_workers import init_engine, make_config
+    from ds_canzona.config import CanzonaConfigError
+
+    outcomes = []
+    for section, top in cases:
+        config = make_config(world_size)
+        config["canzona"] = section if not isinstance(section, dict) else {**config["canzona"], **section}
+        config.update(top)
+        try:
+            init_engine(config)
+            outcomes.append(("ok", ""))
+        except CanzonaConfigError as error:
+            outcomes.append(("CanzonaConfigError", str(error)))
+        except Exception as error:  # anything else is a bug in how we report bad input
+            outcomes.append((type(error).__name__, str(error)))
+    return outcomes
+
+
+def test_bad_sections_and_combinations_raise_one_clear_error():
+    cases = [(section, {}) for section, _ in BAD_SECTIONS]
+    cases += [
+        ("not-an-object", {}),
+        ({}, {"zero_optimization": {"stage": 3}}),
+        ({}, {"zero_optimization": {"stage": 0}}),
+        ({}, {"optimizer": {"type": "Lamb", "params": {}}}),
+        ({}, {"optimizer": {"type": "Muon", "params": {"lr": -1.0}}}),
+        ({}, {"optimizer": {"type": "Muon", "params": {"momentum": 1.5}}}),
+        ({}, {"optimizer": {"type": "Muon", "params": {"ns_steps": 0}}}),
+        ({}, {"optimizer": {"type": "Muon", "params": {"ns_method": "cubic"}}}),
+        ({}, {"optimizer": {"type": "Muon", "params": {"no_such_key": 1}}}),
+    ]
+    outcomes = run_ranks(_try_configs, 1, cases, timeout=240)[0]
+    expected_keys = [key for _, key in BAD_SECTIONS] + ["canzona", "stage 3", "stage", "Lamb", "lr", "momentum",
+                                                        "ns_steps", "ns_method", "no_such_key"]
+    for (kind, message), key, case in zip(outcomes, expected_keys, cases):
+        assert kind == "CanzonaConfigError", (case, kind, message)
+        assert key in message, (case, message)
+        assert "\n" not in message, message
+
+
+def _disabled_is_stock(rank, world_size):
+    from zero_workers import init_engine, make_config
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    kinds = []
+    for section in (None, {"enabled": False}):
+        config = make_config(world_size, optimizer={"type": "AdamW", "params": {"lr": 1e-3}})
+        if section is None:
+            del config["canzona"]
+        else:
+            config["canzona"] = section
+        engine = init_engine(config)
+        kinds.append(isinstance(engine.optimizer, DeepSpeedZeroOptimizer))
+    return kinds
+
+
+def test_no_section_or_disabled_builds_deepspeeds_own_optimizer():
+    assert run_ranks(_disabled_is_stock, 1, timeout=240)[0] == [True, True]
+
+
+@pytest.mark.parametrize("version, ok", [("0.19.8", True), ("0.19.0", True), ("0.18.4", False), ("0.20.0", False)])
+def test_deepspeed_version_check(version, ok):
+    from ds_canzona.zero.hook import deepspeed_version_supported
+    assert deepspeed_version_supported(version) is ok

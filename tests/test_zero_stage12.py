@@ -1,0 +1,146 @@
+"""The ZeRO-1/2 runtime against the single-process optimizers, on gloo ranks.
+
+Bit-for-bit: after 10 steps (fp32, gradient accumulation 2, clipping on) the parameters at DP=2,
+3 and 4, stage 1 and stage 2, equal those of the single-process ds_canzona.optim optimizer fed
+the same averaged gradients. Within a tolerance: against single-process training on the whole
+batch, where only the order of the gradient sum differs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from tiny_model import batches, make_model
+from zero_workers import make_config, train
+
+STEPS = 10
+OPTIMIZERS = {
+    "muon": {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 0.003, "weight_decay": 0.01, "ns_method": "gram"}},
+    "shampoo": {"type": "Shampoo", "params": {"lr": 0.003, "adam_lr": 0.003, "precondition_frequency": 3}},
+    "soap": {"type": "SOAP", "params": {"lr": 0.003, "adam_lr": 0.003, "precondition_frequency": 3}},
+}
+
+
+def merged_grads(results) -> list[dict]:
+    steps = len(results[0]["grads"])
+    merged = []
+    for s in range(steps):
+        step = {}
+        for r in results:
+            step.update(r["grads"][s])
+        merged.append(step)
+    return merged
+
+
+def single_process_replay(optimizer: dict, grads_per_step: list[dict], clip: float) -> dict:
+    """The single-process optimizer fed the runtime's averaged gradients, clipped the same way.
+
+    Runs with one torch thread, as the ranks do: CPU LAPACK/BLAS may block a product differently
+    with another thread count, which changes the rounding, not the math.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _replay(optimizer, grads_per_step, clip)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _replay(optimizer: dict, grads_per_step: list[dict], clip: float) -> dict:
+    from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
+    from ds_canzona.zero.build import translate_optimizer_params
+    import ds_canzona.optim as optim
+
+    model = make_model()
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    name = optimizer["type"].lower()
+    cls = {"muon": optim.Muon, "shampoo": optim.Shampoo, "soap": optim.SOAP}[name]
+    opt = cls(named, **translate_optimizer_params(name, optimizer["params"]))
+    for grads in grads_per_step:
+        ordered = [grads[n].clone() for n, _ in named]
+        sq = torch.stack([tensor_sq_norm(g) for g in ordered])
+        _, coefficient = clip_coefficient(sq, clip)
+        for (_, p), g in zip(named, ordered):
+            p.grad = g.mul_(coefficient) if coefficient < 1.0 else g
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def whole_batch_reference(optimizer: dict, world_size: int, ga: int, clip: float) -> dict:
+    """Plain single-process training on each step's whole global batch."""
+    from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
+    from ds_canzona.zero.build import translate_optimizer_params
+    import ds_canzona.optim as optim
+
+    model = make_model()
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    name = optimizer["type"].lower()
+    cls = {"muon": optim.Muon, "shampoo": optim.Shampoo, "soap": optim.SOAP}[name]
+    opt = cls(named, **translate_optimizer_params(name, optimizer["params"]))
+    for step in range(STEPS):
+        for micro in range(ga):
+            for rank in range(world_size):
+                (model(batches(step, micro, rank, world_size)) / (ga * world_size)).backward()
+        sq = torch.stack([tensor_sq_norm(p.grad) for _, p in named])
+        _, coefficient = clip_coefficient(sq, clip)
+        if coefficient < 1.0:
+            for _, p in named:
+                p.grad.mul_(coefficient)
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_params_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    different = [n for n in a if not torch.equal(a[n], b[n])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """DP in (2, 3, 4) x stage (1, 2) for Muon, and DP=3 both stages for Shampoo and SOAP."""
+    cache = {}
+
+    def get(kind: str, world_size: int, stage: int):
+        key = (kind, world_size, stage)
+        if key not in cache:
+            config = make_config(world_size, stage=stage, optimizer=OPTIMIZERS[kind])
+            cache[key] = run_ranks(train, world_size, config, STEPS, timeout=600)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_muon_is_bitwise_the_single_process_step(runs, world_size):
+    results_by_stage = {stage: runs("muon", world_size, stage) for stage in (1, 2)}
+    for stage, results in results_by_stage.items():
+        for r in results[1:]:
+            assert_params_equal(results[0]["params"], r["params"])  # every rank holds the same model
+        replay = single_process_replay(OPTIMIZERS["muon"], merged_grads(results), clip=1.0)
+        assert_params_equal(results[0]["params"], replay)
+    assert_params_equal(results_by_stage[1][0]["params"], results_by_stage[2][0]["params"])
+
+
+@pytest.mark.parametrize("kind", ["shampoo", "soap"])
+def test_shampoo_and_soap_are_bitwise_the_single_process_step(runs, kind):
+    results_by_stage = {stage: runs(kind, 3, stage) for stage in (1, 2)}
+    for results in results_by_stage.values():
+        replay = single_process_replay(OPTIMIZERS[kind], merged_grads(results), clip=1.0)
+        assert_params_equal(results[0]["params"], replay)
+    assert_params_equal(results_by_stage[1][0]["params"], results_by_stage[2][0]["params"])
+
+
+def test_close_to_whole_batch_training(runs):
+    """Only the summation order of the gradients differs: fp32 rounding, amplified by 10 steps.
+
+    Newton-Schulz normalises the update, so a 1-ulp change in a gradient moves an update element
+    by about 1e-6 relative; after 10 steps we allow 1e-4 absolute on weights of order 0.1.
+    """
+    results = runs("muon", 2, 2)
+    reference = whole_batch_reference(OPTIMIZERS["muon"], 2, 2, clip=1.0)
+    for name, value in reference.items():
+        torch.testing.assert_close(results[0]["params"][name], value, rtol=0, atol=1e-4, msg=name)
