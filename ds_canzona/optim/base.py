@@ -1,0 +1,281 @@
+"""The per-tensor rule interface shared by the single-process optimizers and the owner step.
+
+A rule is a small frozen dataclass built from one param group. It knows how to create the
+state of one whole tensor, how to update a list of whole tensors in place, and what one tensor
+costs. It never touches a process group: the distributed runtime hands each owner its own
+tensors and calls the very same ``update_`` the single-process optimizers call.
+
+Contract of ``update_`` (relied on by the runtime's tests):
+
+* each tensor's result depends only on that tensor, its gradient, its state and ``lr``; it is
+  bit-for-bit the same whichever other tensors share the call;
+* a tensor whose gradient holds a NaN or an infinity is skipped: neither it nor its state
+  changes (its ``step`` does not advance either);
+* state is kept in float32 (float64 for float64 parameters), whatever the parameter's dtype;
+  ``step`` is a 0-dim float32 tensor on the CPU, as in ``torch.optim``, so reading it never
+  waits for the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+# Kinds whose tensors are updated as matrices; every other tensor goes to "adamw".
+MATRIX_KINDS: frozenset[str] = frozenset({"muon", "shampoo", "soap"})
+
+
+def is_matrix(name: str, shape: Sequence[int]) -> bool:
+    """The matrix rule: >= 2 dims, and neither an embedding nor the output head.
+
+    Embeddings and output heads are matrices in shape only: their rows are looked up (or
+    scored) one token at a time, so an orthogonalised or Kronecker-preconditioned update does
+    not suit them; they go to AdamW like the biases and norms.
+    """
+    lowered = name.lower()
+    return len(shape) >= 2 and "embed" not in lowered and "lm_head" not in lowered
+
+
+@runtime_checkable
+class TensorRule(Protocol):
+    """The per-tensor math of one optimizer kind, configured by one param group."""
+
+    kind: ClassVar[str]
+
+    def init_state(self, param: Tensor) -> dict[str, Tensor]:
+        """Fresh state of one whole tensor (float32, or float64 for a float64 parameter)."""
+        ...
+
+    def update_(self, params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]], *,
+                lr: float) -> None:
+        """Update each whole parameter and its state in place from its gradient."""
+        ...
+
+    def cost(self, shape: tuple[int, ...]) -> float:
+        """The optimizer-step cost of one tensor of this shape, from the planner's FLOPs model."""
+        ...
+
+
+# --------------------------------------------------------------------------- validation helpers
+
+
+def invalid(kind: str, key: str, value: Any, why: str) -> ValueError:
+    """A ValueError that names the group key, its kind and the value."""
+    return ValueError(f"Invalid {kind} {key}={value!r}: {why}")
+
+
+def check_float(kind: str, key: str, value: Any, *, low: float | None = None, high: float | None = None,
+                low_open: bool = False, high_open: bool = False) -> float:
+    """``value`` as a finite float inside the given interval, or a ValueError naming ``key``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise invalid(kind, key, value, "must be a finite number")
+    value = float(value)
+    if low is not None and (value <= low if low_open else value < low):
+        raise invalid(kind, key, value, f"must be {'>' if low_open else '>='} {low}")
+    if high is not None and (value >= high if high_open else value > high):
+        raise invalid(kind, key, value, f"must be {'<' if high_open else '<='} {high}")
+    return value
+
+
+def check_int(kind: str, key: str, value: Any, *, low: int) -> int:
+    """``value`` as an int >= ``low`` (bools refused), or a ValueError naming ``key``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(kind, key, value, "must be an integer")
+    if value < low:
+        raise invalid(kind, key, value, f"must be >= {low}")
+    return value
+
+
+def check_choice(kind: str, key: str, value: Any, choices: Iterable[str]) -> str:
+    """``value`` if it is one of ``choices``, or a ValueError naming ``key`` and the choices."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise invalid(kind, key, value, f"must be one of {', '.join(repr(c) for c in choices)}")
+    return value
+
+
+def check_bool(kind: str, key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise invalid(kind, key, value, "must be True or False")
+    return value
+
+
+def check_betas(kind: str, key: str, value: Any, *, allow_one: Sequence[bool] = (False, False)) -> tuple[float, float]:
+    """A pair of decay factors, each in [0, 1) (or [0, 1] where ``allow_one`` says so)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) != 2:
+        raise invalid(kind, key, value, "must be a pair (beta1, beta2)")
+    out = []
+    for index, (beta, one_ok) in enumerate(zip(value, allow_one)):
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta):
+            raise invalid(kind, key, value, f"{key}[{index}] must be a finite number")
+        if not (0.0 <= beta <= 1.0 if one_ok else 0.0 <= beta < 1.0):
+            raise invalid(kind, key, value, f"{key}[{index}] must be in [0, {'1]' if one_ok else '1)'}")
+        out.append(float(beta))
+    return out[0], out[1]
+
+
+def check_lr(lr: Any, kind: str = "") -> float:
+    if isinstance(lr, Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"Invalid {kind} lr: a tensor lr must have one element, got shape {tuple(lr.shape)}")
+        lr = lr.item()
+    return check_float(kind or "group", "lr", lr, low=0.0)
+
+
+# --------------------------------------------------------------------------- shared tensor helpers
+
+
+def state_dtype(param: Tensor) -> torch.dtype:
+    """float64 state for float64 parameters, float32 for everything else (bf16 and fp16 included)."""
+    return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
+def new_step() -> Tensor:
+    """A fresh step counter: a 0-dim float32 tensor on the CPU, like ``torch.optim``'s."""
+    return torch.zeros((), dtype=torch.float32)
+
+
+def finite_flags(grads: Sequence[Tensor]) -> list[bool]:
+    """Whether each gradient is entirely finite, with one host synchronisation for the list."""
+    if not grads:
+        return []
+    flags = [torch.isfinite(g).all() for g in grads]
+    devices = {f.device for f in flags}
+    if len(devices) == 1:
+        return [bool(f) for f in torch.stack(flags).tolist()]
+    return [bool(f) for f in flags]
+
+
+def as_matrix(t: Tensor) -> Tensor:
+    """The 2-D view (rows, everything else) in which matrix rules see a tensor of >= 2 dims."""
+    return t.reshape(t.shape[0], -1)
+
+
+def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
+    rows = int(shape[0])
+    return rows, math.prod(int(s) for s in shape[1:])
+
+
+def require_matrix(kind: str, param: Tensor) -> None:
+    if param.dim() < 2:
+        raise ValueError(f"The {kind} rule updates tensors with >= 2 dims, got shape {tuple(param.shape)}; "
+                         "give 1-D tensors to 'adamw' (the single-process optimizers do so by the matrix rule)")
+
+
+def check_update_args(params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]]) -> None:
+    if not (len(params) == len(grads) == len(states)):
+        raise ValueError(f"update_ needs one grad and one state per param: got {len(params)} params, "
+                         f"{len(grads)} grads, {len(states)} states")
+    for param, grad in zip(params, grads):
+        if grad.shape != param.shape:
+            raise ValueError(f"grad shape {tuple(grad.shape)} does not match param shape {tuple(param.shape)}")
+        if grad.is_sparse or grad.is_complex() or param.is_complex():
+            raise ValueError("sparse or complex tensors are not supported")
+
+
+class RuleBase:
+    """Shared driver of the rules: argument checks, the non-finite skip, dtype handling.
+
+    Subclasses are frozen keyword-only dataclasses (their fields are the group's hyper-parameters)
+    and implement ``init_state`` and ``_update_one``; Muon overrides ``_update_finite`` to batch.
+    """
+
+    kind: ClassVar[str]
+
+    @classmethod
+    def hyper_parameters(cls) -> tuple[str, ...]:
+        """The group keys this rule reads (besides ``lr``)."""
+        return tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+
+    @classmethod
+    def from_group(cls, group: Mapping[str, Any]) -> RuleBase:
+        if "lr" in group:
+            check_lr(group["lr"], cls.kind)
+        kwargs = {name: group[name] for name in cls.hyper_parameters() if name in group}
+        return cls(**kwargs)
+
+    def update_(self, params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]], *,
+                lr: float) -> None:
+        check_update_args(params, grads, states)
+        lr = check_lr(lr, self.kind)
+        work = [(p, g, s) for p, g, s, ok in zip(params, grads, states, finite_flags(grads)) if ok]
+        self._update_finite(work, lr)
+
+    def _update_finite(self, work: list[tuple[Tensor, Tensor, dict[str, Tensor]]], lr: float) -> None:
+        for param, grad, state in work:
+            with_master(param, lambda master: self._update_one(master, grad.to(master.dtype), state, lr))
+
+    def _update_one(self, param: Tensor, grad: Tensor, state: dict[str, Tensor], lr: float) -> None:
+        raise NotImplementedError
+
+    def cost_options(self) -> dict[str, Any]:
+        """This kind's hyper-parameters under the names the planner's FLOPs model takes."""
+        return {}
+
+    def cost(self, shape: tuple[int, ...]) -> float:
+        """FLOPs of one update of a tensor of ``shape``, from the planner's cost model."""
+        # Imported here: the planner is a neighbour, not a dependency of the math.
+        from ds_canzona.plan import ParamSpec, cost_model
+
+        # The planner's flops model prices a non-matrix spec as AdamW whichever matrix optimizer
+        # it is built for, so AdamW asks the default model with matrix=False.
+        matrix = self.kind in MATRIX_KINDS
+        if matrix:
+            model = cost_model(name="flops", optimizer=self.kind, **self.cost_options())
+        else:
+            model = cost_model(name="flops")
+        return float(model.cost(ParamSpec(name=self.kind, shape=tuple(int(d) for d in shape), matrix=matrix)))
+
+
+def with_master(param: Tensor, fn: Any) -> None:
+    """Run ``fn`` on a float32 (or float64) version of ``param``, writing back when it is a copy.
+
+    The runtime hands fp32 masters, so this is the identity there; a single-process optimizer
+    over bf16 parameters computes in fp32 and rounds once at the end.
+    """
+    dtype = state_dtype(param)
+    if param.dtype == dtype:
+        fn(param)
+        return
+    master = param.to(dtype)
+    fn(master)
+    param.copy_(master)
+
+
+# --------------------------------------------------------------------------- registry
+
+_RULES: dict[str, type[RuleBase]] = {}
+
+
+def register_rule(cls: type[RuleBase]) -> type[RuleBase]:
+    """Class decorator: make ``cls`` the rule of ``cls.kind``."""
+    if cls.kind in _RULES and _RULES[cls.kind] is not cls:
+        raise ValueError(f"a rule for kind {cls.kind!r} is already registered")
+    _RULES[cls.kind] = cls
+    return cls
+
+
+def rule_class(kind: str) -> type[RuleBase]:
+    if kind not in _RULES:
+        raise ValueError(f"Invalid param group kind={kind!r}: must be one of {', '.join(map(repr, sorted(_RULES)))}")
+    return _RULES[kind]
+
+
+def known_kinds() -> tuple[str, ...]:
+    return tuple(sorted(_RULES))
+
+
+def rule_for_group(group: Mapping[str, Any]) -> TensorRule:
+    """The validated rule of a param group (``group['kind']`` plus that kind's hyper-parameters).
+
+    Keys the kind does not read (``params``, ``param_names``, ``initial_lr`` of LR schedulers,
+    ...) are ignored here; the single-process optimizers refuse unknown keys at construction.
+    """
+    if "kind" not in group:
+        raise ValueError(f"param group has no 'kind' (one of {', '.join(map(repr, known_kinds()))})")
+    return rule_class(group["kind"]).from_group(group)  # type: ignore[return-value]

@@ -1,0 +1,187 @@
+"""Shampoo's per-tensor rule: Kronecker-factored preconditioning grafted onto AdamW's step size.
+
+A tensor is viewed as a rows x cols matrix and cut into blocks of at most
+``max_preconditioner_dim`` along each side; every block b keeps its own statistics
+
+    L_b <- beta2 * L_b + (1 - beta2) * G_b G_b^T        R_b <- beta2 * R_b + (1 - beta2) * G_b^T G_b
+
+(``beta2 == 1``: plain sums, L_b <- L_b + G_b G_b^T). Every step also advances AdamW's moments
+m, v of the whole tensor (m doubles as Shampoo's momentum). At step t:
+
+    before ``start_preconditioning_step``:  D = A := m_hat / (sqrt(v_hat) + graft_eps)   (AdamW alone)
+    from it on:  S_b = (L_b + eps I)^(-1/4) m_hat_b (R_b + eps I)^(-1/4)
+                 D_b = S_b * ||A_b|| / ||S_b||          (the step length of AdamW, per block)
+    W <- W * (1 - lr * weight_decay);  W <- W - lr * D
+
+The inverse 4th roots are recomputed at the start step and every ``precondition_frequency``
+steps after it: by an eigendecomposition (``inverse_root='eigh'``, in ``root_dtype``; a failed
+float32 decomposition is retried in float64) or by a coupled Newton iteration
+(``inverse_root='newton'``, ``kernels.inverse_root_newton``: matmuls only). The statistics are not
+bias-corrected: grafting resets the step length, so their scale only matters against ``epsilon``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from ds_canzona import kernels
+from ds_canzona.optim.adamw import adam_direction_
+from ds_canzona.optim.base import (
+    RuleBase,
+    as_matrix,
+    check_betas,
+    check_choice,
+    check_float,
+    check_int,
+    matrix_shape,
+    new_step,
+    register_rule,
+    require_matrix,
+    state_dtype,
+)
+
+INVERSE_ROOT_METHODS = ("eigh", "newton")
+ROOT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64}
+ROOT = 4  # Shampoo for matrices: each side gets the inverse 4th root
+
+
+def block_bounds(size: int, block: int) -> list[tuple[int, int]]:
+    """[start, end) of the consecutive blocks of at most ``block`` along a dimension of ``size``."""
+    return [(start, min(start + block, size)) for start in range(0, size, block)]
+
+
+def inverse_root_eigh(stat: Tensor, root: int, epsilon: float, dtype: torch.dtype) -> Tensor:
+    """(stat + epsilon I)^(-1/root) by a symmetric eigendecomposition, computed in ``dtype``.
+
+    Eigenvalues are clamped at zero first: rounding makes those of a singular PSD matrix
+    slightly negative, and only ``epsilon`` should decide how far a null direction is boosted.
+    """
+    def solve(work_dtype: torch.dtype) -> Tensor:
+        matrix = stat.to(work_dtype)
+        matrix = (matrix + matrix.mT) / 2  # symmetric to the last bit, as eigh assumes
+        values, vectors = torch.linalg.eigh(matrix)
+        scaled = (values.clamp_min(0.0) + epsilon).pow(-1.0 / root)
+        return (vectors * scaled.unsqueeze(-2)) @ vectors.mT
+
+    try:
+        result = solve(dtype)
+    except torch.linalg.LinAlgError:
+        if dtype == torch.float64:
+            raise
+        result = solve(torch.float64)
+    return result.to(stat.dtype)
+
+
+@register_rule
+@dataclass(frozen=True, kw_only=True)
+class ShampooRule(RuleBase):
+    """Hyper-parameters of the Shampoo kind."""
+
+    kind: ClassVar[str] = "shampoo"
+
+    betas: tuple[float, float] = (0.9, 1.0)
+    epsilon: float = 1e-12
+    weight_decay: float = 0.0
+    precondition_frequency: int = 10
+    start_preconditioning_step: int | None = None
+    max_preconditioner_dim: int = 1024
+    inverse_root: str = "eigh"
+    root_dtype: str = "float32"
+    graft_beta2: float = 0.999
+    graft_eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        kind = self.kind
+        object.__setattr__(self, "betas", check_betas(kind, "betas", self.betas, allow_one=(False, True)))
+        if self.betas[1] == 0.0:
+            raise ValueError(f"Invalid {kind} betas={self.betas!r}: betas[1] must be > 0 (1.0 sums the statistics)")
+        check_float(kind, "epsilon", self.epsilon, low=0.0, low_open=True)
+        check_float(kind, "weight_decay", self.weight_decay, low=0.0)
+        check_int(kind, "precondition_frequency", self.precondition_frequency, low=1)
+        if self.start_preconditioning_step is None:
+            object.__setattr__(self, "start_preconditioning_step", self.precondition_frequency)
+        check_int(kind, "start_preconditioning_step", self.start_preconditioning_step, low=1)
+        check_int(kind, "max_preconditioner_dim", self.max_preconditioner_dim, low=1)
+        check_choice(kind, "inverse_root", self.inverse_root, INVERSE_ROOT_METHODS)
+        check_choice(kind, "root_dtype", self.root_dtype, ROOT_DTYPES)
+        check_float(kind, "graft_beta2", self.graft_beta2, low=0.0, high=1.0, high_open=True)
+        check_float(kind, "graft_eps", self.graft_eps, low=0.0)
+
+    def blocks(self, shape: tuple[int, ...]) -> list[tuple[str, slice, slice]]:
+        """(suffix, row slice, col slice) of every block of the 2-D view, row-major."""
+        rows, cols = matrix_shape(shape)
+        out = []
+        for i, (r0, r1) in enumerate(block_bounds(rows, self.max_preconditioner_dim)):
+            for j, (c0, c1) in enumerate(block_bounds(cols, self.max_preconditioner_dim)):
+                out.append((f"{i}.{j}", slice(r0, r1), slice(c0, c1)))
+        return out
+
+    def init_state(self, param: Tensor) -> dict[str, Tensor]:
+        require_matrix(self.kind, param)
+        dtype = state_dtype(param)
+        state = {
+            "step": new_step(),
+            "exp_avg": torch.zeros_like(param, dtype=dtype),
+            "exp_avg_sq": torch.zeros_like(param, dtype=dtype),
+        }
+        for suffix, rows, cols in self.blocks(tuple(param.shape)):
+            n_rows, n_cols = rows.stop - rows.start, cols.stop - cols.start
+            eye = lambda n: torch.eye(n, dtype=dtype, device=param.device)  # noqa: E731
+            state[f"left_stat.{suffix}"] = torch.zeros(n_rows, n_rows, dtype=dtype, device=param.device)
+            state[f"right_stat.{suffix}"] = torch.zeros(n_cols, n_cols, dtype=dtype, device=param.device)
+            state[f"left_root.{suffix}"] = eye(n_rows)
+            state[f"right_root.{suffix}"] = eye(n_cols)
+        return state
+
+    def cost_options(self) -> dict[str, Any]:
+        return {"max_preconditioner_dim": self.max_preconditioner_dim,
+                "precondition_frequency": self.precondition_frequency}
+
+    # -- the update ---------------------------------------------------------------------------
+
+    def _accumulate_(self, stat: Tensor, g: Tensor) -> None:
+        """stat <- beta2 stat + (1 - beta2) g g^T, or stat + g g^T when beta2 is 1."""
+        beta2 = self.betas[1]
+        if beta2 == 1.0:
+            stat.add_(kernels.xxt(g))
+        else:
+            kernels.sym_stat_update_(stat, g, beta2)
+
+    def _inverse_root(self, stat: Tensor) -> Tensor:
+        if self.inverse_root == "newton":
+            # Coupled Newton (matmuls only): stops at max |M - I| <= 1e-6, after 100 steps, or at
+            # the rounding floor, returning the best iterate (see docs/KERNELS.md).
+            return kernels.inverse_root_newton(stat, ROOT, epsilon=self.epsilon)
+        return inverse_root_eigh(stat, ROOT, self.epsilon, ROOT_DTYPES[self.root_dtype])
+
+    def _update_one(self, param: Tensor, grad: Tensor, state: dict[str, Tensor], lr: float) -> None:
+        state["step"] += 1
+        step = int(state["step"].item())
+        start = self.start_preconditioning_step
+        assert start is not None  # resolved in __post_init__
+        refresh = step >= start and (step - start) % self.precondition_frequency == 0
+        adam = adam_direction_(grad, state["exp_avg"], state["exp_avg_sq"], step, (self.betas[0], self.graft_beta2),
+                               self.graft_eps)
+        momentum = state["exp_avg"] / (1.0 - self.betas[0]**step)  # Shampoo preconditions m_hat
+
+        g2d, m2d, a2d = as_matrix(grad), as_matrix(momentum), as_matrix(adam)
+        direction = torch.empty_like(a2d) if step >= start else a2d
+        for suffix, rows, cols in self.blocks(tuple(param.shape)):
+            g_block = g2d[rows, cols].contiguous()
+            left, right = state[f"left_stat.{suffix}"], state[f"right_stat.{suffix}"]
+            self._accumulate_(left, g_block)
+            self._accumulate_(right, g_block.mT.contiguous())
+            if refresh:
+                state[f"left_root.{suffix}"].copy_(self._inverse_root(left))
+                state[f"right_root.{suffix}"].copy_(self._inverse_root(right))
+            if step >= start:
+                shampoo = state[f"left_root.{suffix}"] @ m2d[rows, cols] @ state[f"right_root.{suffix}"]
+                graft = a2d[rows, cols].norm() / shampoo.norm().clamp_min(torch.finfo(shampoo.dtype).tiny)
+                direction[rows, cols] = shampoo * graft
+        if self.weight_decay != 0.0:
+            param.mul_(1.0 - lr * self.weight_decay)
+        param.add_(direction.reshape(param.shape), alpha=-lr)
