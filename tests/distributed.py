@@ -24,12 +24,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, outdir: str, fn, args) -> None:
+def _entry(rank: int, world_size: int, port: int, outdir: str, fn, args, kwargs) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_SIZE=str(world_size), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     try:
-        result = fn(rank, world_size, *args)
+        result = fn(rank, world_size, *args, **kwargs)
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
     except BaseException:
         with open(os.path.join(outdir, f"rank{rank}.err"), "w") as f:
@@ -37,10 +37,10 @@ def _entry(rank: int, world_size: int, port: int, outdir: str, fn, args) -> None
         raise
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 300.0) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; the per-rank results."""
+def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, **kwargs) -> list:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes; the per-rank results."""
     with tempfile.TemporaryDirectory() as outdir:
-        context = mp.start_processes(_entry, args=(world_size, free_port(), outdir, fn, args), nprocs=world_size,
+        context = mp.start_processes(_entry, args=(world_size, free_port(), outdir, fn, args, kwargs), nprocs=world_size,
                                      join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         try:

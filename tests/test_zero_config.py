@@ -57,7 +57,7 @@ def test_bad_sections_and_combinations_raise_one_clear_error():
         ({}, {"optimizer": {"type": "Muon", "params": {"no_such_key": 1}}}),
     ]
     outcomes = run_ranks(_try_configs, 1, cases, timeout=240)[0]
-    expected_keys = [key for _, key in BAD_SECTIONS] + ["canzona", "stage 3", "stage", "Lamb", "lr", "momentum",
+    expected_keys = [key for _, key in BAD_SECTIONS] + ["canzona", "stage 3", "stage", "lamb", "lr", "momentum",
                                                         "ns_steps", "ns_method", "no_such_key"]
     for (kind, message), key, case in zip(outcomes, expected_keys, cases):
         assert kind == "CanzonaConfigError", (case, kind, message)

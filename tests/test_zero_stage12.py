@@ -34,7 +34,7 @@ def merged_grads(results) -> list[dict]:
     return merged
 
 
-def single_process_replay(optimizer: dict, grads_per_step: list[dict], clip: float) -> dict:
+def single_process_replay(optimizer: dict, grads_per_step: list[dict], clip: float, model_factory=make_model) -> dict:
     """The single-process optimizer fed the runtime's averaged gradients, clipped the same way.
 
     Runs with one torch thread, as the ranks do: CPU LAPACK/BLAS may block a product differently
@@ -43,17 +43,17 @@ def single_process_replay(optimizer: dict, grads_per_step: list[dict], clip: flo
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _replay(optimizer, grads_per_step, clip)
+        return _replay(optimizer, grads_per_step, clip, model_factory)
     finally:
         torch.set_num_threads(threads)
 
 
-def _replay(optimizer: dict, grads_per_step: list[dict], clip: float) -> dict:
+def _replay(optimizer: dict, grads_per_step: list[dict], clip: float, model_factory) -> dict:
     from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
     from ds_canzona.zero.build import translate_optimizer_params
     import ds_canzona.optim as optim
 
-    model = make_model()
+    model = model_factory()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     name = optimizer["type"].lower()
     cls = {"muon": optim.Muon, "shampoo": optim.Shampoo, "soap": optim.SOAP}[name]

@@ -29,6 +29,7 @@ def make_config(world_size: int, *, stage: int = 2, optimizer: dict | None = Non
     if canzona is not None:
         config["canzona"].update(canzona)
     config.update(top)
+    config.pop("train_batch_size", None)
     config["train_batch_size"] = (config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] *
                                   world_size)
     return config
@@ -68,10 +69,14 @@ class CountingRules:
 
 
 def train(rank: int, world_size: int, config: dict, steps: int, *, capture_grads: bool = True,
-          count_updates: bool = False, inject: dict | None = None) -> dict:
-    """Train the tiny model; returns final params, per-step losses and the captured averaged grads."""
+          count_updates: bool = False, inject: dict | None = None, model_name: str = "tiny") -> dict:
+    """Train a test model; returns final params, per-step losses and the captured averaged grads.
+
+    ``inject`` = {"step": s, "name": param name, "ranks": [...]} puts a NaN into that parameter's
+    local gradient on those ranks during the last micro-batch of step s, before any reduction.
+    """
     counter = CountingRules() if count_updates else None
-    engine = init_engine(config)
+    engine = init_engine(config, model=MODELS[model_name]())
     zero = engine.optimizer
     captured: list[dict] = []
     original_step = zero.step
@@ -83,15 +88,25 @@ def train(rank: int, world_size: int, config: dict, steps: int, *, capture_grads
 
     zero.step = step_with_capture
     losses = []
+    around_inject: list[dict] = []
     ga = engine.gradient_accumulation_steps()
     for step in range(steps):
         for micro in range(ga):
             loss = engine(batches(step, micro, rank, world_size, config["train_micro_batch_size_per_gpu"]))
-            engine.backward(loss)
+            handle = None
             if inject and inject["step"] == step and micro == ga - 1 and rank in inject["ranks"]:
-                _poison_gradient(zero, inject["name"])
+                param = dict(engine.module.named_parameters())[inject["name"]]
+                handle = param.register_hook(_poison)
+            engine.backward(loss)
+            if handle is not None:
+                handle.remove()
+            at_inject = inject is not None and inject["step"] == step and micro == ga - 1
+            if at_inject:
+                around_inject = [snapshot(zero)]
             engine.step()
-            losses.append(float(loss))
+            if at_inject:
+                around_inject.append(snapshot(zero))
+            losses.append(float(loss.detach()))
     return {
         "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
         "grads": captured,
@@ -101,14 +116,188 @@ def train(rank: int, world_size: int, config: dict, steps: int, *, capture_grads
         "skipped": engine.skipped_steps,
         "state_numel": sum(v.numel() for t in zero.owned_tensors() for v in t.state.values() if torch.is_tensor(v)),
         "comm": dict(zero.comm.bytes),
+        "around_inject": around_inject,
+        "master_dtypes": sorted({str(t.master.dtype) for t in zero.owned_tensors()}),
+        "masters_match_params": all(torch.equal(zero.param_views[t.index], t.master.to(zero.dtype))
+                                    for t in zero.owned_tensors()),
     }
 
 
-def _poison_gradient(zero, name: str) -> None:
-    i = zero.names.index(name)
-    zero._finish_reduction()
-    b = zero.plan.bucket_of[i]
-    # Poison this rank's copy of the gradient: the reduce-scatter has already run, so write into
-    # the owner's reduced segment when this rank owns it, else nothing reaches the owner.
-    if zero.plan.owner[i] == zero.rank:
-        zero._segment_grad(i).view(-1)[0] = float("nan")
+def _poison(grad: torch.Tensor) -> torch.Tensor:
+    grad = grad.clone()
+    grad.view(-1)[0] = float("nan")
+    return grad
+
+
+def snapshot(zero) -> dict:
+    """Every owned master and state tensor, cloned, keyed by name."""
+    out = {}
+    for t in zero.owned_tensors():
+        out[f"master/{t.name}"] = t.master.detach().clone()
+        for k, v in t.state.items():
+            out[f"state/{t.name}/{k}"] = v.detach().clone() if torch.is_tensor(v) else v
+    return out
+
+
+# --------------------------------------------------------------------------- instrumentation
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_fn", "all_gather",
+               "all_gather_into_tensor", "broadcast", "all_to_all_single", "reduce", "all_reduce_coalesced",
+               "all_gather_coalesced")
+
+
+class CollectiveLog:
+    """Wraps deepspeed.comm's collectives and records (phase, name, bytes) for every call.
+
+    Bytes are the payload a rank hands to the collective: the input list or tensor for
+    reduce-scatter and all-reduce, the output for all-gather; the same rule for every system.
+    """
+
+    def __init__(self):
+        import deepspeed.comm as dist
+        self.calls: list[tuple[str, str, int]] = []
+        self.phase = "other"
+        for name in COLLECTIVES:
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            setattr(dist, name, self._wrap(name, original))
+
+    def _wrap(self, name, original):
+        log = self
+
+        def wrapped(*args, **kwargs):
+            log.calls.append((log.phase, name, _payload_bytes(name, args, kwargs)))
+            return original(*args, **kwargs)
+
+        return wrapped
+
+    def bytes_by(self, phase: str | None = None) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for p, name, n in self.calls:
+            if phase is None or p == phase:
+                out[name] = out.get(name, 0) + n
+        return out
+
+
+def _payload_bytes(name, args, kwargs) -> int:
+    def size(t):
+        if torch.is_tensor(t):
+            return t.numel() * t.element_size()
+        if isinstance(t, (list, tuple)):
+            return sum(size(x) for x in t)
+        return 0
+
+    if name in ("all_gather", "all_gather_into_tensor", "all_gather_coalesced"):
+        target = kwargs.get("tensor_list", kwargs.get("output_tensor", args[0] if args else None))
+    elif name in ("reduce_scatter", "reduce_scatter_fn"):
+        target = kwargs.get("input_list", kwargs.get("input_tensor", args[1] if len(args) > 1 else None))
+    elif name == "reduce_scatter_tensor":
+        target = kwargs.get("input_tensor", args[1] if len(args) > 1 else None)
+    else:
+        target = kwargs.get("tensor", args[0] if args else None)
+    return size(target)
+
+
+def instrumented_train(rank: int, world_size: int, config: dict, steps: int, *, model_name: str = "tiny") -> dict:
+    """Train with every deepspeed.comm collective logged, split into backward and step phases."""
+    import ds_canzona.optim.muon as muon_module
+
+    log = CollectiveLog()
+    ns_calls = {"count": 0}
+    original_orthogonalize = muon_module.orthogonalize
+
+    def counting_orthogonalize(*args, **kwargs):
+        ns_calls["count"] += 1
+        return original_orthogonalize(*args, **kwargs)
+
+    muon_module.orthogonalize = counting_orthogonalize
+    counter = CountingRules()
+    engine = init_engine(config, model=MODELS[model_name]())
+    zero = engine.optimizer
+    log.calls.clear()
+    ns_per_step = []
+    ga = engine.gradient_accumulation_steps()
+    for step in range(steps):
+        ns_calls["count"] = 0
+        for micro in range(ga):
+            log.phase = "backward"
+            engine.backward(engine(batches(step, micro, rank, world_size, config["train_micro_batch_size_per_gpu"])))
+            log.phase = "step"
+            engine.step()
+            log.phase = "other"
+        ns_per_step.append(ns_calls["count"])
+    steps_logged = [c for c in log.calls]
+    return {
+        "calls": steps_logged,
+        "ns_per_step": ns_per_step,
+        "owned_matrices": [t.name for t in zero.owned_tensors() if t.group["kind"] != "adamw"]
+        if hasattr(zero, "owned_tensors") else None,
+        "updates": dict(counter.updates),
+        "n_params": len(zero.params) if hasattr(zero, "params") else None,
+        "buckets": len(zero.plan.buckets) if hasattr(zero, "plan") else None,
+        "state_bytes": optimizer_state_bytes(engine),
+        "owned_state_bytes": owned_state_bytes(zero) if hasattr(zero, "owned_tensors") else None,
+        "plan_summary": zero.plan_summary() if hasattr(zero, "plan_summary") else None,
+        "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+    }
+
+
+def optimizer_state_bytes(engine) -> int:
+    """Bytes of every optimizer-state tensor a rank holds, found by walking the optimizer objects.
+
+    Counts each storage once; parameters and gradients (and their fp32 partitions) are not state.
+    """
+    seen: set[int] = set()
+    total = 0
+
+    def visit(obj, depth=0):
+        nonlocal total
+        if depth > 4:
+            return
+        if torch.is_tensor(obj):
+            key = obj.untyped_storage().data_ptr()
+            if key not in seen and obj.numel() > 0:
+                seen.add(key)
+                total += obj.untyped_storage().nbytes()
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                visit(v, depth + 1)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                visit(v, depth + 1)
+
+    zero = engine.optimizer
+    if hasattr(zero, "owned_tensors"):
+        for t in zero.owned_tensors():
+            visit(t.state)
+        return total
+    basic = zero.optimizer
+    visit(dict(basic.state))
+    for attr in ("_muon_pending_momentum", "muon_momentum_buffers", "momentum_buffers"):
+        visit(getattr(zero, attr, None))
+    return total
+
+
+def owned_state_bytes(zero) -> int:
+    return sum(v.numel() * v.element_size() for t in zero.owned_tensors() for v in t.state.values()
+               if torch.is_tensor(v))
+
+
+def three_tensor_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(61, 8), torch.nn.Linear(8, 61, bias=True))
+
+
+class _ThreeTensorLM(torch.nn.Module):
+
+    def __init__(self):
+        super().__init__()
+        self.net = three_tensor_model()
+
+    def forward(self, tokens):
+        logits = self.net(tokens[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 61), tokens[:, 1:].reshape(-1))
+
+
+MODELS = {"tiny": make_model, "three": _ThreeTensorLM}

@@ -15,12 +15,9 @@ from __future__ import annotations
 import functools
 import logging
 
-import deepspeed
-from deepspeed.runtime.engine import DeepSpeedEngine
-
-# ds_canzona.config is imported inside the wrappers: this module is loaded while DeepSpeed's
-# engine module is being imported, possibly from inside ds_canzona.config's own import of
-# DeepSpeed, so importing it at the top could see it half-initialised.
+# Neither DeepSpeed nor ds_canzona.config is imported at the top: this module is loaded while
+# DeepSpeed's engine module is being imported, possibly from inside ds_canzona.config's own
+# import of DeepSpeed, so either could be half-initialised here.
 
 logger = logging.getLogger("ds_canzona")
 
@@ -41,6 +38,8 @@ def _wrap_sanity_check(original):
     @functools.wraps(original)
     def _do_sanity_check(self):
         from ds_canzona.config import CanzonaConfigError, parse_canzona_section
+
+        import deepspeed
 
         config = parse_canzona_section(self._config._param_dict)
         if config is not None and not deepspeed_version_supported(deepspeed.__version__):
@@ -90,6 +89,8 @@ def _wrap_configure_optimizer(original):
         if not _canzona_enabled(self):
             return original(self, client_optimizer, model_parameters)
         from ds_canzona.zero.build import build_canzona_optimizer
+        from ds_canzona.zero.timeouts import apply_comm_timeout
+        apply_comm_timeout(self, self._canzona_config.comm_timeout_s)
         self.basic_optimizer, self.optimizer = build_canzona_optimizer(self, client_optimizer)
 
     return _configure_optimizer
@@ -102,7 +103,8 @@ def _wrap_save_checkpoint(original):
         if not _canzona_enabled(self):
             return original(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         from ds_canzona.zero.checkpoint import save_engine_checkpoint
-        return save_engine_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+        return save_engine_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                                      exclude_frozen_parameters=exclude_frozen_parameters)
 
     return save_checkpoint
 
@@ -116,9 +118,10 @@ def _wrap_load_checkpoint(original):
             return original(self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
                             load_module_only, custom_load_fn)
         from ds_canzona.zero.checkpoint import load_engine_checkpoint
-        return load_engine_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+        return load_engine_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+                                      load_optimizer_states=load_optimizer_states,
                                       load_lr_scheduler_states=load_lr_scheduler_states,
-                                      load_module_only=load_module_only)
+                                      load_module_only=load_module_only, custom_load_fn=custom_load_fn)
 
     return load_checkpoint
 
@@ -132,8 +135,8 @@ _WRAPPERS = {
 }
 
 
-def install_engine_hook(engine_class: type = DeepSpeedEngine) -> None:
-    """Wrap the engine methods once; idempotent."""
+def install_engine_hook(engine_class: type) -> None:
+    """Wrap the methods of DeepSpeed's engine class once; idempotent."""
     if getattr(engine_class, _PATCHED_FLAG, False):
         return
     for name, wrap in _WRAPPERS.items():
