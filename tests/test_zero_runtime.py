@@ -170,3 +170,50 @@ def _fp16_scale_trace(rank, world_size, config):
         engine.step()
         scales.append(engine.optimizer.loss_scale)
     return scales, engine.skipped_steps
+
+
+def _lr_traces(rank, world_size):
+    import deepspeed
+    import ds_canzona
+    from ds_canzona.zero.stage12 import CanzonaZeroOptimizer
+    from tiny_model import batches, make_model
+
+    traces = {}
+    config = make_config(world_size, stage=1, optimizer=MUON,
+                         scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
+                                                                    "warmup_num_steps": 3, "warmup_type": "linear"}})
+    engine, *_ = deepspeed.initialize(model=make_model(), config=config)
+    traces["config"] = _run_lrs(engine, rank, world_size, batches)
+
+    model = make_model()
+    client = ds_canzona.optim.Muon(list(model.named_parameters()), lr=0.02, adam_lr=0.002)
+    config = make_config(world_size, stage=2)
+    del config["optimizer"]
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=client, config=config,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step)))
+    assert isinstance(engine.optimizer, CanzonaZeroOptimizer) and engine.optimizer.optimizer is client
+    traces["client"] = _run_lrs(engine, rank, world_size, batches)
+    return traces
+
+
+def _run_lrs(engine, rank, world_size, batches):
+    lrs = []
+    for step in range(4):
+        for micro in range(engine.gradient_accumulation_steps()):
+            engine.backward(engine(batches(step, micro, rank, world_size)))
+            engine.step()
+        lrs.append(engine.get_lr())
+    return lrs
+
+
+def test_lr_schedulers_from_the_config_and_client_optimizers_and_schedulers():
+    traces = run_ranks(_lr_traces, 2, timeout=300)[0]
+    # WarmupLR sets every group (Muon's and AdamW's) to the same warm-up value, as it does for
+    # DeepSpeed's own Muon.
+    config_lrs = [lrs[0] for lrs in traces["config"]]
+    assert config_lrs == sorted(config_lrs) and config_lrs[-1] == pytest.approx(0.01)
+    # A client LambdaLR scales each group's own initial lr.
+    expected = [[0.02 / (1 + s), 0.002 / (1 + s)] for s in range(1, 5)]
+    for got, want in zip(traces["client"], expected):
+        assert got == pytest.approx(want)
