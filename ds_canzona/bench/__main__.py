@@ -1,0 +1,21 @@
+"""``python -m ds_canzona.bench <command> ...``: the benchmark dispatcher.
+
+Each command's module is imported only when that command runs, so a benchmark that needs torch
+or a GPU costs nothing to the others. Adding one is one line in ``COMMANDS``:
+name -> (target, one-line help), where the target is ``"module"`` for a module with a
+``main(argv) -> int``, or ``"module:ATTRIBUTE"`` for a :class:`ds_canzona.cli.Command`.
+"""
+
+import sys
+
+from ..cli import dispatch
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "balance": ("ds_canzona.bench.balance:BALANCE", "DP load balance on the shipped Qwen3 configs, vs LPT"),
+    "plan-speed": ("ds_canzona.bench.balance:PLAN_SPEED", "time the planner on 10,000 tensors at DP=1024"),
+    "kernels": ("ds_canzona.bench.kernels", "Triton kernels against torch and cuBLAS (GPU)"),
+    "step": ("ds_canzona.bench.step:STEP", "real training steps on gloo ranks against DeepSpeed's Muon"),
+}
+
+if __name__ == "__main__":
+    sys.exit(dispatch("python -m ds_canzona.bench", COMMANDS))

@@ -1,0 +1,380 @@
+"""Load-balance study on the shipped Qwen3 configs, and the planner's speed.
+
+``python -m ds_canzona.bench balance``: for each model, DP size and bucket size, the busiest
+rank's optimizer FLOPs (Muon) over the ideal average, for
+
+- ``uniform``: DeepSpeed's equal cuts, each split matrix charged to every rank it touches (that
+  is how DeepSpeed's Muon runs it: all-reduced and orthogonalised on each of them);
+- ``start_index``: equal cuts, each tensor owned by the rank holding its start;
+- Algorithm 1 of the paper, as we read it (FLOPs cost, alpha = 1), for reference;
+- ``alpha_balanced`` planned with the paper's numel cost, and with the FLOPs cost (alpha = 1);
+- unconstrained LPT, the reference: it ignores the buffer entirely;
+
+with the memory ratio, as a markdown table (and optionally JSON and a PNG plot); then an alpha
+sweep showing the trade between even communication and even compute.
+
+``python -m ds_canzona.bench plan-speed``: how long planning 10,000 tensors for DP=1024 takes.
+Times are CPU seconds of the planning process (the planner is single-threaded, so on an idle
+machine this is the wall time; on a shared one it does not count other processes' load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import itertools
+import json
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..cli import Command
+from ..plan import ParamSpec, cost_model, lpt_loads, model_specs, plan_buckets, plan_dp_partitions
+
+__all__ = ["BALANCE", "PLAN_SPEED", "BalanceRow", "SweepRow", "alpha_sweep", "balance_study", "plan_speed"]
+
+MODELS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b")
+DP_SIZES = (16, 32, 64, 128)
+BUCKET_SIZES = (40_000_000, 500_000_000)
+SWEEP_ALPHAS = tuple(round(0.1 * step, 1) for step in range(11))
+
+
+@dataclass(frozen=True, kw_only=True)
+class BalanceRow:
+    """One (model, DP, bucket) cell: FLOPs max/avg per strategy, and memory max/avg."""
+
+    model: str
+    dp: int
+    bucket_numel: int
+    lpt: float
+    algorithm1: float
+    uniform: float
+    start_index: float
+    alpha_numel: float
+    alpha_flops: float
+    memory_uniform: float
+    memory_alpha_numel: float
+    memory_alpha_flops: float
+    seconds: float
+
+    @property
+    def over_lpt(self) -> float:
+        """How far the FLOPs-planned busiest rank is above LPT's (negative: below)."""
+        return self.alpha_flops / self.lpt - 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class SweepRow:
+    alpha: float
+    flops_ratio: float
+    comm_ratio: float
+    memory_ratio: float
+
+
+def balance_study(
+    models: Sequence[str] = MODELS, dp_sizes: Sequence[int] = DP_SIZES, bucket_sizes: Sequence[int] = BUCKET_SIZES
+) -> list[BalanceRow]:
+    flops, numel = cost_model("flops", "muon"), cost_model("numel")
+    rows = []
+    for model in models:
+        specs = model_specs(model)
+        costs = [flops.cost(spec) for spec in specs]
+        for bucket in bucket_sizes:
+            for dp in dp_sizes:
+                average = sum(costs) / dp
+                plans = {}
+                for name, strategy, model_cost in (
+                    ("uniform", "uniform", flops),
+                    ("start_index", "start_index", flops),
+                    ("alpha_numel", "alpha_balanced", numel),
+                ):
+                    plans[name] = plan_dp_partitions(
+                        specs, world_size=dp, bucket_numel=bucket, strategy=strategy, cost=model_cost
+                    )
+                started = time.process_time()
+                plans["alpha_flops"] = plan_dp_partitions(specs, world_size=dp, bucket_numel=bucket, cost=flops)
+                seconds = time.process_time() - started
+                busiest = {name: max(plan.rank_costs(flops)) / average for name, plan in plans.items()}
+                greedy = max(algorithm1_loads(costs, plan_buckets(specs, bucket), dp)) / average
+                rows.append(
+                    BalanceRow(
+                        model=model,
+                        dp=dp,
+                        bucket_numel=bucket,
+                        lpt=max(lpt_loads(costs, dp)) / average,
+                        algorithm1=greedy,
+                        uniform=busiest["uniform"],
+                        start_index=busiest["start_index"],
+                        alpha_numel=busiest["alpha_numel"],
+                        alpha_flops=busiest["alpha_flops"],
+                        memory_uniform=plans["uniform"].memory_ratio,
+                        memory_alpha_numel=plans["alpha_numel"].memory_ratio,
+                        memory_alpha_flops=plans["alpha_flops"].memory_ratio,
+                        seconds=seconds,
+                    )
+                )
+    return rows
+
+
+def algorithm1_loads(
+    costs: Sequence[float], buckets: Sequence[tuple[int, int]], world: int, alpha: float = 1.0
+) -> list[float]:
+    """Per-rank loads of the paper's Algorithm 1 as we read it, for reference in the table.
+
+    Buckets in decreasing cost (LPT rule); for each, the target per rank is
+    (1 - alpha)·C/R + alpha·(C spread in proportion to each rank's deficit against the running
+    ideal average); the targets become consecutive cost intervals, and each tensor goes to the
+    rank whose interval holds its cost-start. Each bucket is cut on its own, against the loads
+    the buckets before it left.
+    """
+    loads = [0.0] * world
+    order = sorted(range(len(buckets)), key=lambda b: (-sum(costs[buckets[b][0] : buckets[b][1]]), b))
+    for b in order:
+        first, stop = buckets[b]
+        total = sum(costs[first:stop])
+        ideal = (sum(loads) + total) / world
+        deficit = [max(0.0, ideal - load) for load in loads]
+        spread = sum(deficit)
+        fill = [total * d / spread for d in deficit] if spread > 0 else [total / world] * world
+        bounds = list(itertools.accumulate((1 - alpha) * total / world + alpha * f for f in fill))
+        start = 0.0
+        for param in range(first, stop):
+            loads[min(bisect.bisect_right(bounds, start), world - 1)] += costs[param]
+            start += costs[param]
+    return loads
+
+
+def alpha_sweep(
+    model: str = "qwen3-32b", dp: int = 32, bucket_numel: int = 500_000_000, alphas: Sequence[float] = SWEEP_ALPHAS
+) -> list[SweepRow]:
+    specs = model_specs(model)
+    rows = []
+    for alpha in alphas:
+        plan = plan_dp_partitions(specs, world_size=dp, bucket_numel=bucket_numel, alpha=alpha)
+        rows.append(
+            SweepRow(
+                alpha=alpha, flops_ratio=plan.flops_ratio, comm_ratio=plan.comm_ratio, memory_ratio=plan.memory_ratio
+            )
+        )
+    return rows
+
+
+def balance_markdown(rows: Sequence[BalanceRow]) -> str:
+    lines = [
+        "| model | DP | bucket | LPT | uniform (DS Muon) | start_index | Alg. 1 (paper) | α-bal. numel | α-bal. FLOPs "
+        "| vs LPT | memory: uniform / α numel / α FLOPs |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row.model} | {row.dp} | {row.bucket_numel:.0e} | {row.lpt:.3f} | {row.uniform:.2f} "
+            f"| {row.start_index:.2f} | {row.algorithm1:.3f} "
+            f"| {row.alpha_numel:.3f} | **{row.alpha_flops:.3f}** | {row.over_lpt:+.1%} "
+            f"| {row.memory_uniform:.2f} / {row.memory_alpha_numel:.2f} / {row.memory_alpha_flops:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def sweep_markdown(rows: Sequence[SweepRow], *, model: str, dp: int, bucket_numel: int) -> str:
+    lines = [
+        f"Alpha sweep, {model}, DP {dp}, bucket {bucket_numel:.0e}, Muon FLOPs cost "
+        "(communication: padded uneven collectives over equal ones):",
+        "",
+        "| alpha | FLOPs max/avg | communication | memory max/avg |",
+        "|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        lines.append(f"| {row.alpha:.1f} | {row.flops_ratio:.3f} | {row.comm_ratio:.3f} | {row.memory_ratio:.3f} |")
+    return "\n".join(lines)
+
+
+def plot_balance(rows: Sequence[BalanceRow], sweep: Sequence[SweepRow], path: str, *, sweep_title: str) -> None:
+    from ..plan.report import _pyplot
+
+    pyplot = _pyplot()
+    models = list(dict.fromkeys(row.model for row in rows))
+    buckets = list(dict.fromkeys(row.bucket_numel for row in rows))
+    figure = pyplot.figure(figsize=(3.2 * len(models), 3.0 * (len(buckets) + 1)))
+    grid = figure.add_gridspec(len(buckets) + 1, len(models))
+    series = (
+        ("uniform", "uniform (DS Muon)", ":"),
+        ("start_index", "start_index", "-."),
+        ("algorithm1", "Alg. 1 (paper)", (0, (3, 1, 1, 1, 1, 1))),
+        ("alpha_numel", "α-balanced, numel", "--"),
+        ("alpha_flops", "α-balanced, FLOPs", "-"),
+        ("lpt", "LPT (no buffer)", "-"),
+    )
+    for row_index, bucket in enumerate(buckets):
+        for column, model in enumerate(models):
+            axis = figure.add_subplot(grid[row_index, column])
+            cells = [row for row in rows if row.model == model and row.bucket_numel == bucket]
+            dps = [row.dp for row in cells]
+            for attribute, label, style in series:
+                color = "black" if attribute == "lpt" else None
+                axis.plot(
+                    dps,
+                    [getattr(row, attribute) for row in cells],
+                    linestyle=style,
+                    marker="o",
+                    markersize=3,
+                    label=label,
+                    color=color,
+                )
+            axis.set_xscale("log", base=2)
+            axis.set_yscale("log")
+            axis.set_xticks(dps, [str(dp) for dp in dps])
+            axis.set_title(f"{model}, bucket {bucket:.0e}", fontsize=9)
+            if column == 0:
+                axis.set_ylabel("busiest / ideal FLOPs")
+            if row_index == len(buckets) - 1:
+                axis.set_xlabel("DP")
+    figure.axes[0].legend(fontsize=7)
+    axis = figure.add_subplot(grid[len(buckets), :])
+    alphas = [row.alpha for row in sweep]
+    axis.plot(alphas, [row.flops_ratio for row in sweep], "-o", label="FLOPs max/avg")
+    axis.plot(alphas, [row.comm_ratio for row in sweep], "-s", label="communication (padded / even)")
+    axis.plot(alphas, [row.memory_ratio for row in sweep], "-^", label="memory max/avg")
+    axis.set_yscale("log")
+    axis.set_xlabel("alpha")
+    axis.set_title(sweep_title, fontsize=9)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    pyplot.close(figure)
+
+
+def run_balance(args: argparse.Namespace) -> int:
+    models = [name.strip().lower() for name in args.models.split(",")]
+    dps = [int(value) for value in args.dp.split(",")]
+    buckets = [int(float(value)) for value in args.buckets.split(",")]
+    rows = balance_study(models, dps, buckets)
+    sweep = alpha_sweep(args.sweep_model, args.sweep_dp, args.sweep_bucket)
+    print(balance_markdown(rows))
+    print()
+    worst = max(rows, key=lambda row: row.over_lpt)
+    print(
+        f"α-balanced FLOPs vs LPT: worst {worst.over_lpt:+.2%} "
+        f"({worst.model}, DP {worst.dp}, bucket {worst.bucket_numel:.0e}); "
+        f"within 2% in {sum(row.over_lpt <= 0.02 for row in rows)}/{len(rows)} cells; "
+        f"slowest plan {max(row.seconds for row in rows):.2f} CPU s"
+    )
+    print()
+    print(sweep_markdown(sweep, model=args.sweep_model, dp=args.sweep_dp, bucket_numel=args.sweep_bucket))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(
+                {"balance": [asdict(row) for row in rows], "alpha_sweep": [asdict(row) for row in sweep]},
+                handle,
+                indent=1,
+            )
+    if args.plot:
+        title = f"alpha sweep: {args.sweep_model}, DP {args.sweep_dp}, bucket {args.sweep_bucket:.0e}"
+        plot_balance(rows, sweep, args.plot, sweep_title=title)
+        print(f"\nplot written to {args.plot}")
+    return 0
+
+
+def add_balance_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated shipped models")
+    parser.add_argument("--dp", default=",".join(map(str, DP_SIZES)), help="comma-separated DP sizes")
+    parser.add_argument("--buckets", default="4e7,5e8", help="comma-separated bucket sizes in elements")
+    parser.add_argument("--sweep-model", default="qwen3-32b")
+    parser.add_argument("--sweep-dp", type=int, default=32)
+    parser.add_argument("--sweep-bucket", type=lambda text: int(float(text)), default=500_000_000)
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--plot", metavar="FILE.png", help="also draw them (needs matplotlib)")
+
+
+BALANCE = Command(
+    description="Load balance of the DP strategies on the shipped Qwen3 configs, against LPT.",
+    add_arguments=add_balance_arguments,
+    run=run_balance,
+)
+
+
+# --------------------------------------------------------------------------------------------
+# plan-speed
+# --------------------------------------------------------------------------------------------
+
+
+def layered_specs(count: int, model: str = "qwen3-8b") -> list[ParamSpec]:
+    """``count`` tensors repeating one decoder layer of ``model``: a very deep transformer."""
+    layer = [spec for spec in model_specs(model) if spec.name.startswith("model.layers.0.")]
+    specs = []
+    while len(specs) < count:
+        depth = len(specs) // len(layer)
+        for spec in layer[: count - len(specs)]:
+            specs.append(
+                ParamSpec(name=spec.name.replace(".0.", f".{depth}.", 1), shape=spec.shape, matrix=spec.matrix)
+            )
+    return specs
+
+
+def random_specs(count: int, seed: int = 0) -> list[ParamSpec]:
+    """``count`` tensors of random shapes (a third of them 1-D), from a fixed seed."""
+    rng = random.Random(seed)
+    dims = (256, 512, 1024, 2048, 3072, 4096, 5120, 8192, 14336)
+    specs = []
+    for index in range(count):
+        if rng.random() < 1 / 3:
+            specs.append(ParamSpec(name=f"vector{index}", shape=(rng.choice(dims),), matrix=False))
+        else:
+            specs.append(ParamSpec(name=f"matrix{index}", shape=(rng.choice(dims), rng.choice(dims)), matrix=True))
+    return specs
+
+
+def plan_speed(
+    count: int = 10_000, dp: int = 1024, bucket_numel: int = 500_000_000, repeats: int = 3
+) -> list[dict[str, Any]]:
+    results = []
+    for name, specs in (("layered qwen3-8b", layered_specs(count)), ("random shapes", random_specs(count))):
+        times = []
+        plan = None
+        for _ in range(repeats):
+            started = time.process_time()
+            plan = plan_dp_partitions(specs, world_size=dp, bucket_numel=bucket_numel)
+            times.append(time.process_time() - started)
+        assert plan is not None
+        results.append(
+            {
+                "input": name,
+                "tensors": len(specs),
+                "dp": dp,
+                "bucket_numel": bucket_numel,
+                "buckets": len(plan.buckets),
+                "median_seconds": statistics.median(times),
+                "flops_ratio": plan.flops_ratio,
+                "lpt_ratio": max(lpt_loads(plan.costs, dp)) * dp / sum(plan.costs),
+            }
+        )
+    return results
+
+
+def run_plan_speed(args: argparse.Namespace) -> int:
+    results = plan_speed(args.tensors, args.dp, args.bucket_numel, args.repeats)
+    print("| input | tensors | DP | bucket | buckets | median CPU time | FLOPs max/avg | LPT |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for result in results:
+        print(
+            f"| {result['input']} | {result['tensors']:,} | {result['dp']} | {result['bucket_numel']:.0e} "
+            f"| {result['buckets']} "
+            f"| {result['median_seconds']:.2f} s | {result['flops_ratio']:.3f} | {result['lpt_ratio']:.3f} |"
+        )
+    return 0
+
+
+def add_plan_speed_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tensors", type=int, default=10_000)
+    parser.add_argument("--dp", type=int, default=1024)
+    parser.add_argument("--bucket-numel", type=lambda text: int(float(text)), default=500_000_000)
+    parser.add_argument("--repeats", type=int, default=3)
+
+
+PLAN_SPEED = Command(
+    description="Time the DP planner on 10,000 tensors for DP=1024.",
+    add_arguments=add_plan_speed_arguments,
+    run=run_plan_speed,
+)

@@ -1,0 +1,413 @@
+"""Data-parallel ownership: which rank updates each tensor, as cut points inside each bucket.
+
+The flat buffer is split into buckets of consecutive tensors (:func:`plan_buckets`). Inside a
+bucket, rank r's segment is ``[cuts[r], cuts[r+1])``: segments are contiguous and in rank order,
+every cut falls on a tensor boundary (empty segments are allowed), and a tensor belongs to the
+segment holding its start index. Equivalently, inside one bucket the owner is a non-decreasing
+function of the buffer position, and any such function is a valid plan. Tensors never move.
+
+Three strategies, one function each:
+
+- :func:`uniform`: DeepSpeed's equal cuts. They split tensors, so a straddling matrix is charged
+  to every rank it touches (DeepSpeed's Muon all-reduces it and orthogonalises it on each of them).
+- :func:`start_index`: the same equal cuts, each tensor owned by the rank holding its start index.
+- :func:`alpha_balanced`: cuts chosen to balance the cost across ranks, subject to an element
+  cap per segment that ``alpha`` sets (see that function for the exact blend).
+
+``alpha_balanced`` goes beyond the paper's per-bucket greedy (Algorithm 1), which decides one
+bucket at a time and, at DP=128 on Qwen3 1.7B-32B, leaves the busiest rank up to 55% above the
+LPT reference (which ignores the buffer entirely); it packs all buckets together (see
+``_packing``) and lands within about 1% of LPT. See docs/PLANNER.md for the measurements.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import heapq
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._packing import balance, min_max_segment
+from .cost import CostModel, cost_model
+from .specs import ParamSpec, PlanError
+
+__all__ = [
+    "STRATEGIES",
+    "BucketPlan",
+    "DPPlan",
+    "alpha_balanced",
+    "lpt_loads",
+    "min_max_segment",
+    "plan_buckets",
+    "plan_dp_partitions",
+    "start_index",
+    "uniform",
+]
+
+STRATEGIES = ("alpha_balanced", "start_index", "uniform")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BucketPlan:
+    """One bucket: params ``[first, stop)`` of the buffer, and the ``world_size + 1`` cut points."""
+
+    index: int
+    first: int
+    stop: int
+    numel: int
+    cuts: tuple[int, ...]
+
+    def segment(self, rank: int) -> tuple[int, int]:
+        """``[start, stop)`` element range of ``rank``'s segment inside this bucket."""
+        return self.cuts[rank], self.cuts[rank + 1]
+
+    def max_segment(self) -> int:
+        return max(self.cuts[r + 1] - self.cuts[r] for r in range(len(self.cuts) - 1))
+
+
+@dataclass(frozen=True, kw_only=True)
+class DPPlan:
+    """A DP partition plan: a plain value, the same on every rank, with a stable :meth:`digest`.
+
+    ``owner``, ``bucket_of`` and ``offset`` are per param, in buffer order; ``offset`` is the
+    param's start index inside its bucket. Under ``uniform`` the owner is the rank holding the
+    start index (to stay well defined), but :meth:`rank_costs` charges a straddling tensor to
+    every rank it touches, since that is what runs.
+
+    Ratios are the busiest rank over the ideal average (the total over ``world_size``); for
+    strategies that own tensors whole this is the usual max/mean.
+    """
+
+    world_size: int
+    strategy: str
+    alpha: float
+    cost_model: str
+    cost_label: str
+    bucket_numel: int
+    specs: tuple[ParamSpec, ...]
+    costs: tuple[float, ...]
+    buckets: tuple[BucketPlan, ...]
+    owner: tuple[int, ...]
+    bucket_of: tuple[int, ...]
+    offset: tuple[int, ...]
+    _cached: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def rank_costs(self, cost: CostModel | None = None) -> list[float]:
+        """Per-rank cost, under the plan's own cost model or under ``cost`` (to compare models)."""
+        costs = self.costs if cost is None else [cost.cost(spec) for spec in self.specs]
+        loads = [0.0] * self.world_size
+        if self.strategy != "uniform":
+            for index, rank in enumerate(self.owner):
+                loads[rank] += costs[index]
+            return loads
+        for index in range(len(self.specs)):
+            for rank in self.touched_ranks(index):
+                loads[rank] += costs[index]
+        return loads
+
+    def touched_ranks(self, index: int) -> range | list[int]:
+        """Ranks whose segment overlaps param ``index`` (one rank unless the cuts split it)."""
+        cuts = self.buckets[self.bucket_of[index]].cuts
+        start = self.offset[index]
+        stop = start + self.specs[index].numel
+        first = self.owner[index]
+        last = bisect.bisect_right(cuts, stop - 1) - 1
+        if first == last:
+            return [first]
+        return [rank for rank in range(first, last + 1) if cuts[rank] < cuts[rank + 1]]
+
+    def rank_numels(self) -> list[int]:
+        """Elements of each rank's segments (its optimizer state and its share of the collectives)."""
+        numels = [0] * self.world_size
+        for bucket in self.buckets:
+            cuts = bucket.cuts
+            for rank in range(self.world_size):
+                numels[rank] += cuts[rank + 1] - cuts[rank]
+        return numels
+
+    def rank_tensors(self) -> list[int]:
+        counts = [0] * self.world_size
+        for rank in self.owner:
+            counts[rank] += 1
+        return counts
+
+    def owned_params(self, rank: int) -> list[int]:
+        """Indices (buffer order) of the params whose optimizer state lives on ``rank``."""
+        if not 0 <= rank < self.world_size:
+            raise PlanError(f"Invalid rank={rank}: must be in [0, {self.world_size}).")
+        return [index for index, owner in enumerate(self.owner) if owner == rank]
+
+    @property
+    def flops_ratio(self) -> float:
+        """Busiest rank's cost over the ideal average (named for the FLOPs cost model)."""
+        return _ratio(self.rank_costs(), sum(self.costs), self.world_size)
+
+    @property
+    def memory_ratio(self) -> float:
+        """Largest rank's elements over the average."""
+        return _ratio(self.rank_numels(), sum(spec.numel for spec in self.specs), self.world_size)
+
+    @property
+    def comm_ratio(self) -> float:
+        """Uneven collectives over even ones: sum over buckets of the largest segment, over |B|/R.
+
+        An uneven reduce-scatter or all-gather finishes with its largest segment (and gloo pads every
+        segment to it), so this is the collective time relative to DeepSpeed's equal cuts.
+        """
+        padded = sum(bucket.max_segment() for bucket in self.buckets)
+        even = sum(bucket.numel for bucket in self.buckets) / self.world_size
+        return padded / even
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``ds-canzona plan --json`` schema."""
+        numels = self.rank_numels()
+        costs = self.rank_costs()
+        tensors = self.rank_tensors()
+        return {
+            "world_size": self.world_size,
+            "strategy": self.strategy,
+            "alpha": self.alpha,
+            "cost_model": self.cost_model,
+            "cost_label": self.cost_label,
+            "bucket_numel": self.bucket_numel,
+            "buckets": [{"numel": bucket.numel, "cuts": list(bucket.cuts)} for bucket in self.buckets],
+            "params": [
+                {**spec.to_dict(), "bucket": self.bucket_of[i], "offset": self.offset[i], "owner": self.owner[i]}
+                for i, spec in enumerate(self.specs)
+            ],
+            "ranks": [{"cost": costs[r], "numel": numels[r], "tensors": tensors[r]} for r in range(self.world_size)],
+            "flops_ratio": self.flops_ratio,
+            "memory_ratio": self.memory_ratio,
+            "comm_ratio": self.comm_ratio,
+        }
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def digest(self) -> str:
+        """sha256 of the plan's defining content, as canonical JSON.
+
+        Only ints, strings, bools and ``alpha`` (whose JSON form is its shortest repr) go in, so the
+        digest is the same in every process whatever its hash seed; the runtime compares it across
+        ranks before the first collective.
+        """
+        if "digest" not in self._cached:
+            content = {
+                "world_size": self.world_size,
+                "strategy": self.strategy,
+                "alpha": self.alpha,
+                "cost_label": self.cost_label,
+                "bucket_numel": self.bucket_numel,
+                "params": [[s.name, list(s.shape), s.matrix, s.tp_dim, s.tp_size] for s in self.specs],
+                "buckets": [[b.first, b.stop, list(b.cuts)] for b in self.buckets],
+                "owner": list(self.owner),
+            }
+            canonical = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+            self._cached["digest"] = hashlib.sha256(canonical.encode("ascii")).hexdigest()
+        return self._cached["digest"]
+
+
+def plan_buckets(specs: Sequence[ParamSpec], bucket_numel: int) -> list[tuple[int, int]]:
+    """Consecutive params, in buffer order, grouped into ``(first, stop)`` buckets.
+
+    A bucket closes when the next param would take it past ``bucket_numel`` elements; a param
+    larger than that gets a bucket of its own.
+    """
+    _check_positive_int("bucket_numel", bucket_numel)
+    buckets = []
+    first, filled = 0, 0
+    for index, spec in enumerate(specs):
+        if filled and filled + spec.numel > bucket_numel:
+            buckets.append((first, index))
+            first, filled = index, 0
+        filled += spec.numel
+    if specs:
+        buckets.append((first, len(specs)))
+    return buckets
+
+
+def plan_dp_partitions(
+    specs: Sequence[ParamSpec],
+    *,
+    world_size: int,
+    bucket_numel: int,
+    alpha: float = 1.0,
+    strategy: str = "alpha_balanced",
+    cost: CostModel | None = None,
+) -> DPPlan:
+    """Plan DP ownership of ``specs`` (in buffer order) over ``world_size`` ranks.
+
+    A pure function of its arguments: every rank computes the same plan. ``cost`` defaults to the
+    Muon FLOPs model.
+    """
+    specs = tuple(specs)
+    if not specs:
+        raise PlanError("Cannot plan an empty list of params.")
+    for spec in specs:
+        if not isinstance(spec, ParamSpec):
+            raise PlanError(f"Invalid spec {spec!r}: expected a ParamSpec.")
+    _check_positive_int("world_size", world_size)
+    _check_positive_int("bucket_numel", bucket_numel)
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0.0 <= alpha <= 1.0:
+        raise PlanError(f"Invalid alpha={alpha!r}: must be within [0, 1].")
+    if strategy not in STRATEGIES:
+        raise PlanError(f"Invalid strategy={strategy!r}: must be one of {', '.join(STRATEGIES)}.")
+    model = cost if cost is not None else cost_model("flops", "muon")
+    costs = tuple(float(model.cost(spec)) for spec in specs)
+    for spec, value in zip(specs, costs):
+        if not (value >= 0.0 and math.isfinite(value)):
+            raise PlanError(
+                f"Cost model {model.label} gave {value!r} for {spec.name!r}: costs must be finite and >= 0."
+            )
+
+    ranges = plan_buckets(specs, bucket_numel)
+    numels = [spec.numel for spec in specs]
+    if strategy == "uniform":
+        owner, cuts = uniform(numels, ranges, world_size)
+    elif strategy == "start_index":
+        owner, cuts = start_index(numels, ranges, world_size)
+    else:
+        owner, cuts = alpha_balanced(numels, list(costs), ranges, world_size, alpha=float(alpha))
+
+    bucket_of: list[int] = []
+    offset: list[int] = []
+    buckets = []
+    for index, (first, stop) in enumerate(ranges):
+        position = 0
+        for param in range(first, stop):
+            bucket_of.append(index)
+            offset.append(position)
+            position += numels[param]
+        buckets.append(BucketPlan(index=index, first=first, stop=stop, numel=position, cuts=tuple(cuts[index])))
+    return DPPlan(
+        world_size=world_size,
+        strategy=strategy,
+        alpha=float(alpha),
+        cost_model=model.name,
+        cost_label=model.label,
+        bucket_numel=bucket_numel,
+        specs=specs,
+        costs=costs,
+        buckets=tuple(buckets),
+        owner=tuple(owner),
+        bucket_of=tuple(bucket_of),
+        offset=tuple(offset),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Strategies. Each takes per-param numels (and costs), the bucket ranges and the world size, and
+# returns (owner per param, cuts per bucket).
+# --------------------------------------------------------------------------------------------
+
+
+def uniform(
+    numels: Sequence[int], buckets: Sequence[tuple[int, int]], world_size: int
+) -> tuple[list[int], list[list[int]]]:
+    """Equal cuts ``floor(r·|B|/R)``, blind to tensor boundaries; owner = rank of the start index."""
+    owner: list[int] = []
+    all_cuts = []
+    for first, stop in buckets:
+        total = sum(numels[first:stop])
+        cuts = [rank * total // world_size for rank in range(world_size + 1)]
+        position = 0
+        for param in range(first, stop):
+            owner.append(bisect.bisect_right(cuts, position) - 1)
+            position += numels[param]
+        all_cuts.append(cuts)
+    return owner, all_cuts
+
+
+def start_index(
+    numels: Sequence[int], buckets: Sequence[tuple[int, int]], world_size: int
+) -> tuple[list[int], list[list[int]]]:
+    """Equal cuts, each tensor owned by the rank whose equal segment holds its start index.
+
+    The realised cuts move each equal cut forward to the next tensor start, so no tensor is split.
+    """
+    owner, _ = uniform(numels, buckets, world_size)
+    return owner, [_cuts_from_owners(numels, owner, first, stop, world_size) for first, stop in buckets]
+
+
+def alpha_balanced(
+    numels: Sequence[int],
+    costs: Sequence[float],
+    buckets: Sequence[tuple[int, int]],
+    world_size: int,
+    *,
+    alpha: float = 1.0,
+) -> tuple[list[int], list[list[int]]]:
+    """Balance the cost over ranks, with ``alpha`` trading element evenness for compute balance.
+
+    The blend. The paper blends two per-bucket targets, v* = (1 - alpha)·v_even + alpha·v_fill.
+    Here the same two ends are kept and the blend is made exact as a cap. For each bucket b, let
+    E_b be the smallest possible largest segment (in elements) that cuts on tensor boundaries
+    allow, and |B_b| the bucket's size. Every segment of b may hold at most
+
+        cap_b(alpha) = E_b + alpha·(|B_b| - E_b)   elements,
+
+    and within those caps the busiest rank's cost is minimised. At alpha = 0 every bucket gets
+    one of its most even element splits (largest segment = E_b, which is what an uneven
+    reduce-scatter's time follows), and cost decides only among those; at alpha = 1 there is no
+    element constraint and only cost counts; in between, the largest segment grows at most
+    linearly in alpha. The communication price of a plan is reported as ``DPPlan.comm_ratio``.
+
+    The packing looks at all buckets at once rather than one at a time: what the geometry fixes
+    is only the order of ranks inside a bucket, not which ranks a bucket uses. Three packers
+    (first-fit chains and a rank-by-rank frontier, both against one capacity shared by every
+    rank and found by bisection; and a frontier that realises the cost mixes unconstrained LPT
+    would give each rank) each feed a local search of moves and swaps, and the best result wins.
+    See ``ds_canzona.plan._packing`` for the details. Ties break on the busiest load, then the
+    owner list, so the plan is a deterministic function of the input.
+    """
+    owner = balance(numels, costs, buckets, world_size, alpha)
+    return owner, [_cuts_from_owners(numels, owner, first, stop, world_size) for first, stop in buckets]
+
+
+def lpt_loads(costs: Sequence[float], world_size: int) -> list[float]:
+    """Per-rank loads of unconstrained LPT (largest first onto the least-loaded rank).
+
+    The reference the planner is measured against: it ignores buffer order and buckets entirely.
+    """
+    heap = [(0.0, rank) for rank in range(world_size)]
+    loads = [0.0] * world_size
+    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        load, rank = heapq.heappop(heap)
+        loads[rank] = load + costs[index]
+        heapq.heappush(heap, (loads[rank], rank))
+    return loads
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers.
+# --------------------------------------------------------------------------------------------
+
+
+def _cuts_from_owners(numels: Sequence[int], owner: Sequence[int], first: int, stop: int, world: int) -> list[int]:
+    """Cut points realising a monotone owner map: cuts[r] = start of the first param owned >= r."""
+    total = sum(numels[first:stop])
+    cuts = [total] * (world + 1)
+    cuts[0] = 0
+    assigned, position = 0, 0
+    for param in range(first, stop):
+        rank = owner[param]
+        assert rank >= assigned, "owners must be non-decreasing inside a bucket"
+        for cut in range(assigned + 1, rank + 1):
+            cuts[cut] = position
+        assigned = max(assigned, rank)
+        position += numels[param]
+    return cuts
+
+
+def _ratio(values: Sequence[float], total: float, world: int) -> float:
+    average = total / world
+    return max(values) / average if average > 0 else 1.0
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanError(f"Invalid {name}={value!r}: must be a positive integer.")

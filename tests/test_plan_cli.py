@@ -1,0 +1,158 @@
+"""``ds-canzona plan`` / ``python -m ds_canzona.plan`` and ``python -m ds_canzona.bench``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ds_canzona.cli import main
+
+SHAPES = [
+    {"name": "embed.weight", "shape": [1000, 64], "matrix": False},
+    {"name": "l0.q.weight", "shape": [64, 64], "matrix": True},
+    {"name": "l0.up.weight", "shape": [256, 64], "matrix": True},
+    {"name": "l0.norm.weight", "shape": [64], "matrix": False},
+    {"name": "l1.q.weight", "shape": [64, 64], "matrix": True},
+    {"name": "l1.up.weight", "shape": [256, 64], "matrix": True},
+    {"name": "head.weight", "shape": [1000, 64], "matrix": True},
+]
+
+
+@pytest.fixture
+def shapes(tmp_path: Path) -> Path:
+    path = tmp_path / "shapes.json"
+    path.write_text(json.dumps(SHAPES))
+    return path
+
+
+def test_json_output_is_one_object_with_the_schema(shapes: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--shapes", str(shapes), "--dp", "3", "--bucket-numel", "20000", "--json"]) == 0
+    out = capsys.readouterr().out
+    document = json.loads(out)
+    assert out.count("\n") == 1
+    for key in (
+        "world_size",
+        "strategy",
+        "alpha",
+        "cost_model",
+        "bucket_numel",
+        "buckets",
+        "params",
+        "ranks",
+        "flops_ratio",
+        "memory_ratio",
+    ):
+        assert key in document
+    assert document["world_size"] == 3 and document["bucket_numel"] == 20000
+    assert [p["name"] for p in document["params"]] == [e["name"] for e in SHAPES]
+    for bucket in document["buckets"]:
+        assert len(bucket["cuts"]) == 4 and bucket["cuts"][0] == 0 and bucket["cuts"][-1] == bucket["numel"]
+    for param in document["params"]:
+        cuts = document["buckets"][param["bucket"]]["cuts"]
+        assert cuts[param["owner"]] <= param["offset"] < cuts[param["owner"] + 1]
+    assert len(document["ranks"]) == 3
+
+
+def test_table_output(shapes: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--shapes", str(shapes), "--dp", "2", "--strategy", "uniform", "--cost", "numel"]) == 0
+    out = capsys.readouterr().out
+    assert "rank" in out and "max/avg" in out and "uniform" in out
+
+
+def test_model_shortcut_with_tp(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", "Qwen3-0.6B", "--dp", "4", "--tp", "2", "--alpha", "0.5", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["tp"]["tp_size"] == 2 and document["tp"]["groups"]
+    assert main(["plan", "--model", "qwen3-0.6b", "--dp", "4", "--tp", "2", "--optimizer", "soap"]) == 0
+    assert "TP micro-groups" in capsys.readouterr().out
+
+
+def test_plot(shapes: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "ranks.png"
+    assert main(["plan", "--shapes", str(shapes), "--dp", "4", "--plot", str(target)]) == 0
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--shapes", "EMPTY"], "empty"),
+        (["--shapes", "ZERO"], "positive"),
+        (["--shapes", "MISSING"], "Cannot read"),
+        (["--shapes", "SHAPES", "--alpha", "1.5"], "alpha"),
+        (["--shapes", "SHAPES", "--alpha", "-0.5"], "alpha"),
+        (["--shapes", "SHAPES", "--dp", "0"], "--dp"),
+        (["--shapes", "SHAPES", "--tp", "-1"], "--tp"),
+        (["--shapes", "SHAPES", "--bucket-numel", "0"], "bucket-numel"),
+        (["--shapes", "SHAPES", "--strategy", "best"], "strategy"),
+        (["--hf-config", "MISSING"], "Cannot read"),
+        (["--model", "qwen3-99b"], "Unknown model"),
+        ([], "required"),
+    ],
+)
+def test_bad_input_is_one_error_line(
+    arguments: list[str], message: str, shapes: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    files = {
+        "EMPTY": tmp_path / "empty.json",
+        "ZERO": tmp_path / "zero.json",
+        "MISSING": tmp_path / "missing.json",
+        "SHAPES": shapes,
+    }
+    files["EMPTY"].write_text("[]")
+    files["ZERO"].write_text('[{"name": "w", "shape": [3, 0]}]')
+    argv = ["plan", *(str(files.get(a, a)) for a in arguments)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+def test_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["nope"]) == 2
+    assert "unknown command" in capsys.readouterr().err
+    assert main(["--help"]) == 0
+    assert "plan" in capsys.readouterr().out
+
+
+def test_shapes_path_does_not_import_torch(shapes: Path) -> None:
+    script = (
+        "import sys, io, contextlib\n"
+        "from ds_canzona.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        f"    assert main(['plan', '--shapes', {str(shapes)!r}, '--dp', '8', '--json']) == 0\n"
+        "heavy = sorted(m for m in ('torch', 'deepspeed', 'transformers', 'numpy') if m in sys.modules)\n"
+        "print(heavy)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+def test_module_entry_points(shapes: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "ds_canzona.plan", "--shapes", str(shapes), "--dp", "2", "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0 and json.loads(result.stdout)["world_size"] == 2
+    bench = subprocess.run([sys.executable, "-m", "ds_canzona.bench", "nope"], capture_output=True, text=True)
+    assert bench.returncode == 2 and "balance" in bench.stderr
+
+
+def test_bench_balance_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from ds_canzona.bench.__main__ import COMMANDS
+    from ds_canzona.cli import dispatch
+
+    output = tmp_path / "balance.json"
+    arguments = ["balance", "--models", "qwen3-1.7b", "--dp", "16", "--buckets", "4e7", "--sweep-model", "qwen3-0.6b"]
+    assert dispatch("bench", COMMANDS, [*arguments, "--sweep-dp", "8", "--json", str(output)]) == 0
+    out = capsys.readouterr().out
+    assert "| qwen3-1.7b | 16 |" in out and "Alpha sweep" in out
+    document = json.loads(output.read_text())
+    assert len(document["balance"]) == 1 and len(document["alpha_sweep"]) == 11
+    row = document["balance"][0]
+    assert row["alpha_flops"] <= 1.05 * row["lpt"] and row["uniform"] > row["alpha_flops"]

@@ -1,0 +1,286 @@
+"""Specs from shapes files and shipped configs, and the cost models' flop counts."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from ds_canzona.plan import (
+    ADAMW_FLOPS_PER_ELEMENT,
+    ParamSpec,
+    PlanError,
+    cost_model,
+    default_matrix_rule,
+    load_model_config,
+    model_specs,
+    muon_flops,
+    newton_schulz_flops,
+    shampoo_flops,
+    shard_for_tp,
+    shipped_models,
+    soap_flops,
+    specs_from_shapes_file,
+)
+
+# ----------------------------------------------------------------------------- specs
+
+
+def test_default_matrix_rule_follows_deepspeeds_muon() -> None:
+    assert default_matrix_rule("model.layers.0.mlp.up_proj.weight", (8, 4))
+    assert default_matrix_rule("conv.weight", (8, 4, 3, 3))
+    assert not default_matrix_rule("model.layers.0.input_layernorm.weight", (8,))
+    assert not default_matrix_rule("model.embed_tokens.weight", (100, 8))
+    assert not default_matrix_rule("LM_HEAD.weight", (100, 8))
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"name": ""}, "name"),
+        ({"shape": (4, 0)}, "shape"),
+        ({"shape": (4, -2)}, "shape"),
+        ({"shape": (4.0, 2)}, "shape"),
+        ({"matrix": 1}, "matrix"),
+        ({"tp_size": 0}, "tp_size"),
+        ({"tp_dim": 2}, "tp_dim"),
+        ({"tp_size": 2}, "tp_dim"),
+    ],
+)
+def test_param_spec_errors_name_the_field(kwargs: dict, field: str) -> None:
+    arguments = {"name": "w", "shape": (4, 4), "matrix": True, **kwargs}
+    with pytest.raises(PlanError, match=field):
+        ParamSpec(**arguments)
+
+
+def test_param_spec_is_a_frozen_keyword_only_value() -> None:
+    spec = ParamSpec(name="w", shape=[3, 4], matrix=True)  # type: ignore[arg-type]
+    assert spec.shape == (3, 4) and spec.numel == 12
+    assert spec == ParamSpec(name="w", shape=(3, 4), matrix=True)
+    with pytest.raises(AttributeError):
+        spec.name = "v"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        ParamSpec("w", (3, 4), True)  # type: ignore[misc]
+    scalar = ParamSpec(name="t", shape=(), matrix=False)
+    assert scalar.numel == 1
+    shard = ParamSpec(name="w", shape=(3, 4), matrix=True, tp_dim=0, tp_size=4)
+    assert shard.full_shape == (12, 4)
+
+
+def test_shapes_file(tmp_path: Path) -> None:
+    path = tmp_path / "shapes.json"
+    entries = [
+        {"name": "embed.weight", "shape": [100, 8]},
+        {"name": "layer.weight", "shape": [8, 8], "matrix": True},
+        {"name": "layer.bias", "shape": [8], "matrix": False},
+        {"name": "gate", "shape": [8, 8], "matrix": False},
+    ]
+    path.write_text(json.dumps(entries))
+    specs = specs_from_shapes_file(path)
+    assert [s.name for s in specs] == ["embed.weight", "layer.weight", "layer.bias", "gate"]
+    assert [s.matrix for s in specs] == [False, True, False, False]  # the file's flag wins over the default rule
+    forced = specs_from_shapes_file(path, matrix_rule=lambda name, shape: len(shape) == 2)
+    assert [s.matrix for s in forced] == [True, True, False, True]
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("[]", "empty"),
+        ("{}", "list"),
+        ("not json", "not valid JSON"),
+        ('[{"shape": [2]}]', "missing field 'name'"),
+        ('[{"name": "a", "shape": [2, 0]}]', "positive"),
+        ('[{"name": "a", "shape": 3}]', "shape"),
+        ('[{"name": "a", "shape": [2], "dtype": "bf16"}]', "unknown field"),
+        ('[{"name": "a", "shape": [2]}, {"name": "a", "shape": [2]}]', "Duplicate"),
+    ],
+)
+def test_bad_shapes_files(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "shapes.json"
+    path.write_text(content)
+    with pytest.raises(PlanError, match=message):
+        specs_from_shapes_file(path)
+
+
+def test_unreadable_shapes_file(tmp_path: Path) -> None:
+    with pytest.raises(PlanError, match="Cannot read"):
+        specs_from_shapes_file(tmp_path / "missing.json")
+
+
+def test_shipped_qwen3_configs() -> None:
+    assert shipped_models() == ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b"]
+    expected = {  # hidden, intermediate, layers, heads, kv heads, tied
+        "qwen3-0.6b": (1024, 3072, 28, 16, 8, True),
+        "qwen3-1.7b": (2048, 6144, 28, 16, 8, True),
+        "qwen3-4b": (2560, 9728, 36, 32, 8, True),
+        "qwen3-8b": (4096, 12288, 36, 32, 8, False),
+        "qwen3-14b": (5120, 17408, 40, 40, 8, False),
+        "qwen3-32b": (5120, 25600, 64, 64, 8, False),
+    }
+    for name, (hidden, inter, layers, heads, kv, tied) in expected.items():
+        config = load_model_config(name.upper())
+        assert (config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]) == (
+            hidden,
+            inter,
+            layers,
+        )
+        assert (config["num_attention_heads"], config["num_key_value_heads"], config["tie_word_embeddings"]) == (
+            heads,
+            kv,
+            tied,
+        )
+        assert config["head_dim"] == 128 and config["vocab_size"] == 151936
+    total = sum(spec.numel for spec in model_specs("qwen3-32b"))
+    assert 32.7e9 < total < 32.8e9
+    with pytest.raises(PlanError, match="Unknown model"):
+        load_model_config("llama-7b")
+
+
+def test_shard_for_tp_splits_megatron_style() -> None:
+    specs = shard_for_tp(model_specs("qwen3-0.6b"), 4)
+    by_name = {spec.name: spec for spec in specs}
+    q = by_name["model.layers.0.self_attn.q_proj.weight"]
+    assert (q.shape, q.tp_dim, q.tp_size, q.full_shape) == ((512, 1024), 0, 4, (2048, 1024))
+    o = by_name["model.layers.0.self_attn.o_proj.weight"]
+    assert (o.shape, o.tp_dim) == ((1024, 512), 1)
+    assert by_name["model.norm.weight"].tp_size == 1
+    assert by_name["model.embed_tokens.weight"].tp_dim == 0
+
+
+# ----------------------------------------------------------------------------- costs
+
+
+class Symbolic:
+    """A matrix that only knows its shape, counting flops as an algorithm runs on it."""
+
+    flops = 0
+
+    def __init__(self, rows: int, cols: int) -> None:
+        self.rows, self.cols = rows, cols
+
+    @property
+    def T(self) -> Symbolic:
+        return Symbolic(self.cols, self.rows)
+
+    def __matmul__(self, other: Symbolic) -> Symbolic:
+        assert self.cols == other.rows
+        Symbolic.flops += 2 * self.rows * self.cols * other.cols
+        return Symbolic(self.rows, other.cols)
+
+    def scale(self) -> Symbolic:
+        Symbolic.flops += self.rows * self.cols
+        return self
+
+    def __add__(self, other: Symbolic) -> Symbolic:
+        Symbolic.flops += self.rows * self.cols
+        return Symbolic(self.rows, self.cols)
+
+
+def gram_newton_schulz(x: Symbolic, steps: int, restart: int = 2) -> Symbolic:
+    """The Gram iteration, written independently of the planner, for counting."""
+    r = x @ x.T
+    q = None
+    for step in range(steps):
+        if step == restart:
+            x = q @ x  # type: ignore[operator]
+            r = x @ x.T
+            q = None
+        z = r.scale() + (r @ r).scale()
+        if q is None:
+            q = z
+            Symbolic.flops += z.rows  # a·I on the diagonal
+        else:
+            q = q.scale() + z @ q
+        if step < steps - 1 and step + 1 != restart:
+            rz = r.scale() + z @ r
+            r = rz.scale() + z @ rz
+    return q @ x  # type: ignore[operator]
+
+
+def standard_newton_schulz(x: Symbolic, steps: int) -> Symbolic:
+    for _ in range(steps):
+        a = x @ x.T
+        b = a.scale() + (a @ a).scale()
+        x = x.scale() + b @ x
+    return x
+
+
+@pytest.mark.parametrize("rows, cols", [(64, 320), (320, 64), (17, 100)])
+def test_newton_schulz_counts_match_the_algorithms(rows: int, cols: int) -> None:
+    n, m = min(rows, cols), max(rows, cols)
+    Symbolic.flops = 0
+    gram_newton_schulz(Symbolic(n, m), 5)
+    assert newton_schulz_flops(rows, cols, steps=5, method="gram") == Symbolic.flops
+    Symbolic.flops = 0
+    standard_newton_schulz(Symbolic(n, m), 5)
+    assert newton_schulz_flops(rows, cols, steps=5, method="standard") == Symbolic.flops
+
+
+def test_gram_leading_terms_and_square_fallback() -> None:
+    n, m = 1000, 5000
+    gram = newton_schulz_flops(n, m, steps=5, method="gram")
+    assert gram == pytest.approx(8 * n * n * m + 28 * n**3, rel=1e-2)
+    assert newton_schulz_flops(n, m, method="standard") / gram > 1.5
+    assert newton_schulz_flops(512, 512, method="gram") == newton_schulz_flops(512, 512, method="standard")
+
+
+def test_flops_cost_model() -> None:
+    muon = cost_model("flops", "muon")
+    matrix = ParamSpec(name="w", shape=(64, 320), matrix=True)
+    vector = ParamSpec(name="b", shape=(320,), matrix=False)
+    assert muon.cost(vector) == ADAMW_FLOPS_PER_ELEMENT * 320
+    assert muon.cost(matrix) == muon_flops((64, 320)) == newton_schulz_flops(64, 320) + 12 * 64 * 320
+    conv = ParamSpec(name="c", shape=(8, 4, 3, 3), matrix=True)
+    assert muon.cost(conv) == muon_flops((8, 36))
+    shard = ParamSpec(name="w", shape=(16, 320), matrix=True, tp_dim=0, tp_size=4)
+    assert muon.cost(shard) == muon.cost(matrix) / 4
+    standard = cost_model("flops", "muon", ns_method="standard", ns_steps=6)
+    assert standard.cost(matrix) == newton_schulz_flops(64, 320, steps=6, method="standard") + 12 * 64 * 320
+    assert "ns_method=standard" in standard.label and "ns_steps=6" in standard.label
+    assert cost_model("numel").cost(matrix) == 64 * 320
+
+
+def test_shampoo_blocks_above_the_max_dimension() -> None:
+    block = shampoo_flops((1024, 1024), max_preconditioner_dim=1024)
+    assert shampoo_flops((2048, 2048), max_preconditioner_dim=1024) == pytest.approx(4 * block)
+    assert shampoo_flops((2048, 1000), max_preconditioner_dim=1024) == pytest.approx(2 * shampoo_flops((1024, 1000)))
+    a, b, f = 300, 500, 10
+    expected = (
+        4 * a * a * b + 3 * a * a + 4 * a * b * b + 3 * b * b + (11 * (a**3 + b**3) + a * a + b * b) / f + 20 * a * b
+    )
+    assert shampoo_flops((a, b), precondition_frequency=f) == pytest.approx(expected)
+    assert shampoo_flops((a, b), precondition_frequency=1) > shampoo_flops((a, b), precondition_frequency=100)
+
+
+def test_soap_leaves_long_sides_unrotated() -> None:
+    rows, cols = 20000, 100
+    rotated_right_only = 2 * rows * cols * cols * 4 + 3 * cols * cols + 15 * rows * cols
+    refresh = ((16 / 3) * cols**3 + rows * cols) / 10
+    assert soap_flops((rows, cols)) == pytest.approx(rotated_right_only + refresh)
+    assert soap_flops((200, 100)) > soap_flops((200, 100), max_preconditioner_dim=150)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: cost_model("time"), "name"),
+        (lambda: cost_model("flops", "adagrad"), "optimizer"),
+        (lambda: cost_model("flops", "muon", beta=0.9), "option"),
+        (lambda: cost_model("flops", "muon", ns_method="svd"), "ns_method"),
+        (lambda: cost_model("flops", "shampoo", precondition_frequency=0), "precondition_frequency"),
+        (lambda: cost_model("numel", ns_steps=5), "numel"),
+    ],
+)
+def test_cost_model_errors(call, message: str) -> None:
+    with pytest.raises(PlanError, match=message):
+        call()
+
+
+def test_every_shipped_model_costs_are_finite() -> None:
+    for optimizer in ("muon", "shampoo", "soap"):
+        model = cost_model("flops", optimizer)
+        costs = [model.cost(spec) for spec in model_specs("qwen3-8b")]
+        assert all(math.isfinite(c) and c > 0 for c in costs)

@@ -1,0 +1,88 @@
+"""Specs from live modules and HuggingFace configs (meta device), against the torch-free generator."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ds_canzona.plan import (
+    ParamSpec,
+    PlanError,
+    load_model_config,
+    plan_dp_partitions,
+    qwen3_specs,
+    specs_from_hf_config,
+    specs_from_module,
+)
+from ds_canzona.plan.models import model_config_path
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+
+def small(name: str, **overrides: object) -> dict:
+    """A shipped config shrunk in depth and vocabulary, so the meta model builds quickly."""
+    config = load_model_config(name)
+    config.update({"num_hidden_layers": 3, "vocab_size": 1000, **overrides})
+    return config
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        small("qwen3-0.6b"),  # tied head
+        small("qwen3-8b"),  # separate head
+        small("qwen3-1.7b", attention_bias=True),  # biased attention projections
+    ],
+    ids=["tied", "untied", "attention-bias"],
+)
+def test_qwen3_generator_matches_the_meta_model(config: dict, tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    from_model = specs_from_hf_config(path)
+    assert from_model == qwen3_specs(config), "same names, shapes, order and matrix flags"
+
+
+def test_hf_config_folder_and_shipped_file(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(small("qwen3-4b")))
+    specs = specs_from_hf_config(tmp_path)
+    assert specs[0].name == "model.embed_tokens.weight" and not specs[0].matrix
+    shipped = specs_from_hf_config(model_config_path("qwen3-0.6b"))
+    assert shipped == qwen3_specs(load_model_config("qwen3-0.6b"))
+
+
+def test_hf_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(PlanError, match="Cannot read"):
+        specs_from_hf_config(tmp_path / "missing.json")
+    broken = tmp_path / "config.json"
+    broken.write_text("{")
+    with pytest.raises(PlanError, match="Cannot load"):
+        specs_from_hf_config(broken)
+
+
+def test_specs_from_module_skips_frozen_and_tied_params() -> None:
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(50, 8)
+            self.body = torch.nn.Linear(8, 16)
+            self.frozen = torch.nn.Linear(16, 16)
+            self.frozen.requires_grad_(False)
+            self.conv = torch.nn.Conv1d(4, 6, 3)
+            self.lm_head = torch.nn.Linear(8, 50, bias=False)
+            self.lm_head.weight = self.embed.weight
+
+    specs = specs_from_module(Net())
+    assert specs == [
+        ParamSpec(name="embed.weight", shape=(50, 8), matrix=False),
+        ParamSpec(name="body.weight", shape=(16, 8), matrix=True),
+        ParamSpec(name="body.bias", shape=(16,), matrix=False),
+        ParamSpec(name="conv.weight", shape=(6, 4, 3), matrix=True),
+        ParamSpec(name="conv.bias", shape=(6,), matrix=False),
+    ]
+    custom = specs_from_module(Net(), matrix_rule=lambda name, shape: name.startswith("conv") and len(shape) > 1)
+    assert [s.matrix for s in custom] == [False, False, False, True, False]
+    plan = plan_dp_partitions(specs, world_size=3, bucket_numel=1000)
+    assert len(plan.owner) == 5
