@@ -2,8 +2,11 @@
 
 A bucket is cut into one contiguous segment per rank (``cuts``); segments may differ in size
 and may be empty. reduce-scatter with uneven input lists works on every backend we use (gloo,
-NCCL). gloo rejects all-gather of uneven sizes, so there each segment is padded to the largest
-one and gathered with one all_gather_into_tensor; backends that take uneven lists get them.
+NCCL). gloo rejects all-gather of uneven sizes. There, a bucket whose segments are nearly even
+is padded to the largest segment and gathered with one all_gather_into_tensor; a bucket whose
+segments are far apart (alpha-balanced plans give whole buckets to a few ranks) is sent as one
+broadcast per non-empty segment instead, so no rank moves more than the bucket. Backends that
+take uneven lists (NCCL) get one uneven all_gather.
 """
 
 from __future__ import annotations
@@ -14,6 +17,10 @@ from dataclasses import dataclass, field
 import torch
 
 import deepspeed.comm as dist
+
+
+# Pad uneven segments to one all-gather only while padding costs at most this factor in bytes.
+PAD_LIMIT = 1.25
 
 
 @dataclass
@@ -61,6 +68,9 @@ def all_gather_uneven(flat: torch.Tensor, cuts: tuple[int, ...], rank: int, *, g
     width = max(sizes)
     if width == 0:
         return
+    if world * width > PAD_LIMIT * flat.numel():
+        _broadcast_segments(flat, cuts, sizes, group=group, counter=counter)
+        return
     padded = torch.zeros(world * width, dtype=flat.dtype, device=flat.device)
     mine = padded[rank * width:rank * width + sizes[rank]]
     mine.copy_(flat[cuts[rank]:cuts[rank + 1]])
@@ -69,6 +79,18 @@ def all_gather_uneven(flat: torch.Tensor, cuts: tuple[int, ...], rank: int, *, g
     for r in range(world):
         if r != rank and sizes[r]:
             flat[cuts[r]:cuts[r + 1]].copy_(padded[r * width:r * width + sizes[r]])
+
+
+def _broadcast_segments(flat: torch.Tensor, cuts: tuple[int, ...], sizes: list[int], *, group,
+                        counter: CommCounter) -> None:
+    handles = []
+    for r, size in enumerate(sizes):
+        if size:
+            counter.add("broadcast", size * flat.element_size())
+            src = dist.get_global_rank(group, r) if group is not None else r
+            handles.append(dist.broadcast(flat[cuts[r]:cuts[r + 1]], src=src, group=group, async_op=True))
+    for handle in handles:
+        handle.wait()
 
 
 def all_reduce_sum(tensor: torch.Tensor, *, group, counter: CommCounter, kind: str) -> None:
