@@ -20,7 +20,6 @@ No collective runs inside the optimizer math.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -29,14 +28,13 @@ import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
+from deepspeed.utils import log_dist
 
 from ds_canzona.config import CanzonaConfig
 from ds_canzona.optim import rule_for_group
 from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
 from ds_canzona.plan import DPPlan, ParamSpec, cost_model, plan_dp_partitions
 from ds_canzona.zero.comm import CommCounter, all_gather_uneven, all_reduce_sum, reduce_scatter_uneven
-
-logger = logging.getLogger("ds_canzona")
 
 
 class PlanMismatchError(RuntimeError):
@@ -118,8 +116,8 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
 
         self.plan = self._make_plan(bucket_numel)
         self._check_plan_agreement()
-        if config.log_plan and dist.get_rank() == 0:
-            logger.info(self.plan_summary())
+        if config.log_plan:
+            log_dist(self.plan_summary(), ranks=[0])
 
         self.loss_scaler = CreateLossScaler(dtype=self.dtype, static_loss_scale=static_loss_scale,
                                             dynamic_scaling=dynamic_loss_scale, dynamic_loss_args=dynamic_loss_args)
