@@ -20,7 +20,7 @@ setup(
         "ds_canzona.kernels",
     ],
     package_dir={"ds_canzona.kernels": "kernels"},
-    package_data={"ds_canzona": ["data/*.json", "data/*/*.json", "data/*.txt"]},
+    package_data={"ds_canzona": ["data/*.json", "data/*/*.json", "data/*.txt", "data/corpus/*.txt"]},
     include_package_data=True,
     install_requires=[
         "torch>=2.4",
