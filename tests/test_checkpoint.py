@@ -1,0 +1,395 @@
+"""Checkpoints: any plan loads any other plan's checkpoint, bit for bit; crashes lose nothing.
+
+One DP=4 run (stage 2) trains 3 steps with every optimizer kind and WarmupLR and saves. Then, at
+DP=2 (stage 1, other alpha and bucket size) and DP=3 (stage 2, start-index cuts, other bucket
+size), each in one spawned run:
+
+* bad copies of the checkpoint (truncated, missing and mismatched shard) and a different model
+  fail with a clear error on every rank, and leave the engine untouched;
+* the load gathers, by name, exactly the saved masters and optimizer state (torch.equal), plus
+  buffers, frozen and tied parameters, lr scheduler, lrs, counters, client state and a dynamic
+  loss scaler's state;
+* 5 more steps equal 5 steps of an engine started at that size from the same state handed over
+  directly (the consolidated files), not through load_checkpoint;
+* a save at that size after 2 of them, loaded into a fresh engine, continues exactly as the run
+  that never stopped (stage 1 at DP=2, stage 2 at DP=3);
+* the DP=2 save, consolidated, drives the single-process optimizer to the same parameters.
+
+Failures (own processes, killed on purpose): SIGKILL during a save leaves the previous
+checkpoint, which resumes losing no committed step; a rank SIGKILLed in training, and one that
+hangs, make the others fail within canzona.comm_timeout_s.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from checkpoint_workers import (SCALER_STATE, ckpt_config, crash_during_save, failure_entry, hang_in_training,
+                                make_ckpt_model, make_optimizer, reshard_run, resume_then_die, save_run)
+from distributed import free_port, run_ranks
+from zero_workers import make_config
+
+from ds_canzona.consolidate import (consolidate_checkpoint, fp32_state_dict_from_checkpoint, load_consolidated_model,
+                                    load_consolidated_optimizer, optimizer_state_from_checkpoint)
+from ds_canzona.zero.checkpoint import (FORMAT, LATEST_FILE, META_FILE, Checkpoint, CheckpointError, check_same_model,
+                                        read_meta)
+
+SAVE_STEPS = 3
+RESHARD = {
+    2: {"stage": 1, "alpha": 0.0, "bucket_numel": 6000},
+    3: {"stage": 2, "alpha": 0.5, "bucket_numel": 2500, "strategy": "start_index"},
+}
+
+
+def merged_owned(states: list[dict]) -> dict:
+    """Per-rank {name: state} dicts as one; every tensor must have exactly one owner."""
+    out = {}
+    for owned in states:
+        assert not set(out) & set(owned), "a tensor is owned by two ranks"
+        out.update(owned)
+    return out
+
+
+def assert_equal_dicts(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), f"{what}: names differ: {sorted(set(a) ^ set(b))[:5]}"
+    for name in a:
+        if isinstance(a[name], dict):
+            assert_equal_dicts(a[name], b[name], f"{what}[{name}]")
+        else:
+            assert torch.equal(a[name], b[name]), f"{what}: {name} differs"
+
+
+def shard_path(directory: str, rank: int) -> str:
+    meta = read_meta(directory)
+    return os.path.join(directory, meta["files"][rank]["name"])
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("ckpt")
+
+
+@pytest.fixture(scope="module")
+def saved(workdir):
+    save_dir = str(workdir / "dp4")
+    results = run_ranks(save_run, 4, ckpt_config(4), save_dir, SAVE_STEPS, timeout=600)
+    return save_dir, results
+
+
+@pytest.fixture(scope="module")
+def export(saved, workdir):
+    out = str(workdir / "export")
+    consolidate_checkpoint(saved[0], out, optimizer_states=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def bad_copies(saved, workdir):
+    save_dir = saved[0]
+    copies = {}
+    for label in ("truncated", "missing", "mismatched"):
+        copy = str(workdir / f"bad_{label}")
+        shutil.copytree(save_dir, copy)
+        copies[label] = copy
+    tag = os.path.join(copies["truncated"], "dp4")
+    path = shard_path(tag, 1)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    os.remove(shard_path(os.path.join(copies["missing"], "dp4"), 2))
+    # the same rank's file of another save: same size, another save id in its header
+    shutil.copyfile(shard_path(os.path.join(save_dir, "scaler"), 3),
+                    shard_path(os.path.join(copies["mismatched"], "dp4"), 3))
+    return copies
+
+
+@pytest.fixture(scope="module")
+def resharded(saved, export, bad_copies, workdir):
+    cache = {}
+
+    def get(world_size: int) -> list[dict]:
+        if world_size not in cache:
+            settings = dict(RESHARD[world_size])
+            config = ckpt_config(world_size, stage=settings.pop("stage"), **settings)
+            wrong = make_config(world_size) if world_size == 3 else None
+            mid = str(workdir / f"mid{world_size}")
+            cache[world_size] = run_ranks(reshard_run, world_size, config, saved[0], bad_copies, export, mid, wrong,
+                                          timeout=600)
+        return cache[world_size]
+
+    return get
+
+
+# ----------------------------------------------------------------------------- resharding
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_load_at_another_world_size_is_bitwise(saved, resharded, world_size):
+    before, after = saved[1], resharded(world_size)
+    assert_equal_dicts(merged_owned([r["loaded"]["owned"] for r in after]), merged_owned([r["owned"] for r in before]),
+                       "masters and optimizer state")
+    for r in after:
+        loaded = r["loaded"]
+        assert_equal_dicts(loaded["module"], before[0]["module"], "module state")  # buffers, frozen, tied
+        assert loaded["scheduler"] == before[0]["scheduler"]
+        assert loaded["lrs"] == before[0]["lrs"]
+        assert loaded["counters"] == before[0]["counters"]
+        assert r["client_state"]["note"] == "hello" and torch.equal(r["client_state"]["ids"], torch.arange(3))
+        assert r["scaler"] == SCALER_STATE
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_continuing_equals_a_run_started_at_that_size(resharded, world_size):
+    results = resharded(world_size)
+    for r in results:
+        assert_equal_dicts(r["continued"], r["reference"], "continued vs started from the same state")
+        assert_equal_dicts(r["continued"], results[0]["continued"], "ranks agree")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_same_world_size_resume_equals_not_stopping(resharded, world_size):
+    """DP=2 runs stage 1, DP=3 stage 2: save, load into a fresh engine, continue."""
+    for r in resharded(world_size):
+        assert_equal_dicts(r["resumed"], r["continued"], "resumed vs never stopped")
+
+
+def test_single_process_continues_from_the_consolidated_export(resharded, workdir):
+    from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
+
+    results = resharded(2)
+    out = str(workdir / "export_mid2")
+    consolidate_checkpoint(str(workdir / "mid2"), out, optimizer_states=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks: BLAS blocking depends on the thread count
+    try:
+        model = make_ckpt_model(seed=7)
+        model.load_state_dict(load_consolidated_model(out), strict=True)
+        optimizer = make_optimizer(model)
+        optimizer.load_state_dict_by_name(load_consolidated_optimizer(out))
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        for s in range(len(results[0]["captured"])):
+            grads = {}
+            for r in results:
+                grads.update(r["captured"][s]["grads"])
+            ordered = [grads[n].clone() for n, _ in named]
+            _, coefficient = clip_coefficient(torch.stack([tensor_sq_norm(g) for g in ordered]), 1.0)
+            for (_, p), g in zip(named, ordered):
+                p.grad = g.mul_(coefficient) if coefficient < 1.0 else g
+            for group, lr in zip(optimizer.param_groups, results[0]["captured"][s]["lrs"]):
+                group["lr"] = lr
+            optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
+    assert_equal_dicts({n: p.detach() for n, p in model.named_parameters()}, results[0]["continued"],
+                       "single process vs DP=2")
+
+
+def test_bad_checkpoints_fail_on_every_rank(resharded, bad_copies):
+    results = resharded(2)
+    needles = {"truncated": "canzona_rank00001-", "missing": "canzona_rank00002-", "mismatched": "canzona_rank00003-"}
+    for label in ("truncated", "missing", "mismatched", "different_model"):
+        messages = [r["errors"][label] for r in results]
+        assert all(m is not None for m in messages), f"{label}: a rank loaded it: {messages}"
+        if label == "different_model":
+            assert all("different model" in m and "differ in shape" in m for m in messages), messages
+        else:  # the rank that reads the file names it; the others name that rank
+            assert any(f"bad_{label}" in m and needles[label] in m for m in messages), (label, messages)
+    assert all(r["untouched"] for r in results), "a failed load changed the engine"
+    other_kinds = [r["errors"]["other_kinds"] for r in resharded(3)]
+    assert all(m is not None and "kinds" in m for m in other_kinds), other_kinds
+
+
+# ----------------------------------------------------------------------------- consolidation, in this process
+
+
+def test_consolidated_export_is_the_saved_state(saved, export):
+    results = saved[1]
+    owned = merged_owned([r["owned"] for r in results])
+    model = load_consolidated_model(export)
+    module = results[0]["module"]
+    assert model.keys() == module.keys()  # trained, tied alias, frozen, buffer
+    for name, tensor in model.items():
+        expected = owned[name]["master"] if name in owned else module[name]
+        assert torch.equal(tensor, expected), name
+    assert torch.equal(model["lm_head.weight"], model["embed_tokens.weight"])
+    states = load_consolidated_optimizer(export)
+    assert_equal_dicts(states, {n: {k: v for k, v in s.items() if k != "master"} for n, s in owned.items()},
+                       "optimizer state")
+    kinds = {k for s in states.values() for k in s}
+    assert {"momentum_buffer", "left_root.0.0", "left_basis", "exp_avg_sq"} <= kinds
+    assert_equal_dicts(fp32_state_dict_from_checkpoint(saved[0]), model, "in-memory export")
+    assert_equal_dicts(optimizer_state_from_checkpoint(saved[0], "dp4"), states, "in-memory optimizer state")
+
+
+def test_sharded_export_and_cli(saved, export, workdir, capsys):
+    from ds_canzona.cli import main
+
+    out = str(workdir / "export_cli")
+    assert main(["consolidate", saved[0], out, "--optimizer-states", "--max-shard-size", "20KB"]) == 0
+    files = os.listdir(out)
+    assert "model.safetensors.index.json" in files and "optimizer.safetensors.index.json" in files
+    assert len([f for f in files if f.startswith("model-")]) > 1
+    assert_equal_dicts(load_consolidated_model(out), load_consolidated_model(export), "sharded model")
+    assert_equal_dicts(load_consolidated_optimizer(out), load_consolidated_optimizer(export), "sharded optimizer")
+    # a second, unsharded export into the same directory replaces the shards
+    assert main(["consolidate", os.path.join(saved[0], "dp4"), out]) == 0
+    assert "model.safetensors" in os.listdir(out) and "model.safetensors.index.json" not in os.listdir(out)
+    capsys.readouterr()
+    assert main(["consolidate", str(workdir / "nowhere"), out]) == 2
+    assert "checkpoint directory is missing" in capsys.readouterr().err
+
+
+def test_broken_checkpoints_name_the_file(saved, bad_copies, workdir):
+    for label, needle in (("truncated", "canzona_rank00001-"), ("missing", "canzona_rank00002-"),
+                          ("mismatched", "canzona_rank00003-")):
+        with pytest.raises(CheckpointError, match=needle):
+            consolidate_checkpoint(bad_copies[label], str(workdir / "unused"))
+    # same size, corrupt header
+    corrupt = str(workdir / "bad_header")
+    shutil.copytree(saved[0], corrupt)
+    path = shard_path(os.path.join(corrupt, "dp4"), 0)
+    with open(path, "r+b") as f:
+        f.write(b"\xff" * 16)
+    with pytest.raises(CheckpointError, match="truncated or corrupt.*canzona_rank00000-"):
+        Checkpoint.open(corrupt).validate()
+    # an incomplete save: shards without a manifest
+    os.remove(os.path.join(corrupt, "dp4", META_FILE))
+    with pytest.raises(CheckpointError, match="manifest is missing"):
+        Checkpoint.open(corrupt)
+    # a 'latest' that points outside the directory
+    with open(os.path.join(corrupt, LATEST_FILE), "w") as f:
+        f.write("../dp4")
+    with pytest.raises(CheckpointError, match="invalid checkpoint tag"):
+        Checkpoint.open(corrupt)
+    meta = read_meta(os.path.join(saved[0], "dp4"))
+    shapes = {t["name"]: list(t["shape"]) for t in meta["tensors"]}
+    shapes["layers.0.q_proj.weight"] = [25, 24]
+    shapes["extra.weight"] = [3]
+    del shapes["norm.weight"]
+    with pytest.raises(CheckpointError, match=r"different model.*extra\.weight.*norm\.weight.*q_proj"):
+        check_same_model(meta, shapes, "X")
+
+
+class _OpensAFile:
+    """Unpickling this would create a file: a stand-in for code a checkpoint must never run."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_manifest_is_never_unpickled_into_code(saved, workdir):
+    evil = str(workdir / "evil")
+    shutil.copytree(saved[0], evil)
+    marker = str(workdir / "code_ran")
+    meta_path = os.path.join(evil, "dp4", META_FILE)
+    meta = read_meta(os.path.join(saved[0], "dp4"))
+    meta["client_state"] = {"x": _OpensAFile(marker)}
+    torch.save(meta, meta_path)
+    with pytest.raises(CheckpointError, match="not plain data"):
+        Checkpoint.open(evil)
+    assert not os.path.exists(marker)
+    torch.save({"format": "something else"}, meta_path)
+    with pytest.raises(CheckpointError, match=f"not a {FORMAT}"):
+        read_meta(os.path.join(evil, "dp4"))
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+def run_with_failures(fn, world_size: int, outdir: str, *args, timeout: float, hung_rank: int | None = None) -> dict:
+    """Spawn ranks that are expected to die; exit codes and exit times (a hung rank is killed at the end)."""
+    context = mp.get_context("spawn")
+    port = free_port()
+    procs = [context.Process(target=failure_entry, args=(r, world_size, port, outdir, fn, args + (outdir,)))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    exited: dict[int, float] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(exited) < world_size and time.monotonic() < deadline:
+            for r, p in enumerate(procs):
+                if r not in exited and not p.is_alive():
+                    exited[r] = time.time()
+            if hung_rank is not None and all(r in exited for r in range(world_size) if r != hung_rank):
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+    return {"exitcode": [p.exitcode for p in procs], "exited": exited}
+
+
+def _killed_at(outdir: str) -> float:
+    with open(os.path.join(outdir, "killed")) as f:
+        return float(f.read())
+
+
+def _error(outdir: str, rank: int) -> tuple[float, str]:
+    with open(os.path.join(outdir, f"rank{rank}.err")) as f:
+        when, _, text = f.read().partition("\n")
+    return float(when), text
+
+
+BOUND_S = 20.0
+
+
+def test_sigkill_during_save_keeps_the_previous_checkpoint(workdir):
+    save_dir, outdir = str(workdir / "crash"), str(workdir / "crash_out")
+    os.makedirs(outdir)
+    # bf16: the fp32 masters are not the parameters, so loading must refresh the bf16 copies
+    config = ckpt_config(2, comm_timeout_s=BOUND_S, top={"bf16": {"enabled": True}})
+    run = run_with_failures(crash_during_save, 2, outdir, config, save_dir, timeout=300)
+    killed = _killed_at(outdir)
+    assert run["exitcode"][1] == -9
+    assert run["exitcode"][0] != 0 and run["exited"][0] - killed < BOUND_S + 15
+    assert _error(outdir, 0)[0] - killed < BOUND_S + 2
+
+    # the tag that was being overwritten is still the committed one, whole
+    ckpt = Checkpoint.open(save_dir)
+    ckpt.validate()
+    assert ckpt.meta["engine"]["global_steps"] == 3
+    with open(os.path.join(save_dir, LATEST_FILE)) as f:
+        assert f.read() == "last"
+
+    # resume in new processes: nothing committed is lost; then a rank dies in training
+    resumed_out = str(workdir / "resume_out")
+    os.makedirs(resumed_out)
+    run = run_with_failures(resume_then_die, 2, resumed_out, config, save_dir, timeout=300)
+    for r in range(2):
+        resumed = torch.load(os.path.join(resumed_out, f"resumed{r}.pt"))
+        assert resumed["global_steps"] == 3
+        assert_equal_dicts(resumed["owned"], torch.load(os.path.join(outdir, f"committed{r}.pt")), "committed state")
+        assert_equal_dicts(torch.load(os.path.join(resumed_out, f"resumed_step5_{r}.pt")),
+                           torch.load(os.path.join(outdir, f"step5_{r}.pt")), "steps 3-4 redone")
+    killed = _killed_at(resumed_out)
+    assert run["exitcode"][1] == -9
+    assert run["exitcode"][0] != 0 and run["exited"][0] - killed < BOUND_S + 15
+    assert _error(resumed_out, 0)[0] - killed < BOUND_S + 2
+
+
+def test_a_hung_rank_makes_the_others_fail_within_comm_timeout(workdir):
+    outdir = str(workdir / "hang_out")
+    os.makedirs(outdir)
+    timeout_s = 6.0
+    config = ckpt_config(2, comm_timeout_s=timeout_s)
+    run = run_with_failures(hang_in_training, 2, outdir, config, timeout=300, hung_rank=1)
+    stopped = _killed_at(outdir)
+    when, text = _error(outdir, 0)
+    assert run["exitcode"][0] != 0
+    assert "Timed out" in text or "timeout" in text.lower(), text[-2000:]
+    assert timeout_s - 1 < when - stopped < timeout_s + 5
+    assert run["exited"][0] - stopped < timeout_s + 15
