@@ -53,7 +53,8 @@ class CanzonaConfig(DeepSpeedConfigModel):
     """Rank 0 logs the plan summary (buckets, per-rank cost and memory, the ratios) at init."""
 
     comm_timeout_s: float = Field(600.0, gt=0.0)
-    """Seconds a rank waits for a peer in ds_canzona's own checks before it raises instead of hanging."""
+    """Timeout (s) of the default and data-parallel process groups once the optimizer is built: a dead or
+    hung peer makes every collective (steps, checkpoint saves and loads) raise within this bound."""
 
     @field_validator("strategy")
     @classmethod
