@@ -59,9 +59,9 @@ class CountingRules:
                 def __getattr__(self, name):
                     return getattr(rule, name)
 
-                def update_(self, params, grads, states, *, lr):
+                def update_(self, params, grads, states, **kwargs):
                     outer.updates[group["kind"]] += len(params)
-                    return rule.update_(params, grads, states, lr=lr)
+                    return rule.update_(params, grads, states, **kwargs)
 
             return Proxy()
 

@@ -52,8 +52,12 @@ class TensorRule(Protocol):
         ...
 
     def update_(self, params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]], *,
-                lr: float) -> None:
-        """Update each whole parameter and its state in place from its gradient."""
+                lr: float, known_finite: bool = False) -> None:
+        """Update each whole parameter and its state in place from its gradient.
+
+        ``known_finite=True`` skips the per-tensor finiteness check, for callers that have
+        already checked every gradient (the ZeRO step does, through its norm all-reduce).
+        """
         ...
 
     def cost(self, shape: tuple[int, ...]) -> float:
@@ -200,10 +204,11 @@ class RuleBase:
         return cls(**kwargs)
 
     def update_(self, params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]], *,
-                lr: float) -> None:
+                lr: float, known_finite: bool = False) -> None:
         check_update_args(params, grads, states)
         lr = check_lr(lr, self.kind)
-        work = [(p, g, s) for p, g, s, ok in zip(params, grads, states, finite_flags(grads)) if ok]
+        finite = [True] * len(grads) if known_finite else finite_flags(grads)
+        work = [(p, g, s) for p, g, s, ok in zip(params, grads, states, finite) if ok]
         self._update_finite(work, lr)
 
     def _update_finite(self, work: list[tuple[Tensor, Tensor, dict[str, Tensor]]], lr: float) -> None:

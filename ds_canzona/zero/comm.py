@@ -2,11 +2,10 @@
 
 A bucket is cut into one contiguous segment per rank (``cuts``); segments may differ in size
 and may be empty. reduce-scatter with uneven input lists works on every backend we use (gloo,
-NCCL). gloo rejects all-gather of uneven sizes. There, a bucket whose segments are nearly even
-is padded to the largest segment and gathered with one all_gather_into_tensor; a bucket whose
-segments are far apart (alpha-balanced plans give whole buckets to a few ranks) is sent as one
-broadcast per non-empty segment instead, so no rank moves more than the bucket. Backends that
-take uneven lists (NCCL) get one uneven all_gather.
+NCCL). gloo rejects all-gather of uneven sizes; there each non-empty segment is broadcast from
+its owner straight into place. That moves exactly the bucket (no padding, no staging copies),
+and gloo's broadcast measured 3-5x faster than its all-gather of the same bytes here
+(docs/BENCHMARKS.md). Backends that take uneven lists (NCCL) get one uneven all_gather.
 """
 
 from __future__ import annotations
@@ -17,10 +16,6 @@ from dataclasses import dataclass, field
 import torch
 
 import deepspeed.comm as dist
-
-
-# Pad uneven segments to one all-gather only while padding costs at most this factor in bytes.
-PAD_LIMIT = 1.25
 
 
 @dataclass
@@ -65,20 +60,7 @@ def all_gather_uneven(flat: torch.Tensor, cuts: tuple[int, ...], rank: int, *, g
         counter.add("all_gather", flat.numel() * flat.element_size())
         dist.all_gather(segment_views(flat, cuts), flat[cuts[rank]:cuts[rank + 1]], group=group)
         return
-    width = max(sizes)
-    if width == 0:
-        return
-    if world * width > PAD_LIMIT * flat.numel():
-        _broadcast_segments(flat, cuts, sizes, group=group, counter=counter)
-        return
-    padded = torch.zeros(world * width, dtype=flat.dtype, device=flat.device)
-    mine = padded[rank * width:rank * width + sizes[rank]]
-    mine.copy_(flat[cuts[rank]:cuts[rank + 1]])
-    counter.add("all_gather", padded.numel() * padded.element_size())
-    dist.all_gather_into_tensor(padded, padded[rank * width:(rank + 1) * width].clone(), group=group)
-    for r in range(world):
-        if r != rank and sizes[r]:
-            flat[cuts[r]:cuts[r + 1]].copy_(padded[r * width:r * width + sizes[r]])
+    _broadcast_segments(flat, cuts, sizes, group=group, counter=counter)
 
 
 def _broadcast_segments(flat: torch.Tensor, cuts: tuple[int, ...], sizes: list[int], *, group,

@@ -133,8 +133,14 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
     def _make_plan(self, bucket_numel: int) -> DPPlan:
         specs = [ParamSpec(name=name, shape=tuple(p.shape), matrix=group["kind"] != "adamw")
                  for name, p, group in zip(self.names, self.params, self.groups)]
-        matrix_kinds = sorted({g["kind"] for g in self.groups if g["kind"] != "adamw"})
-        cost = cost_model(self.config.cost_model, optimizer=matrix_kinds[0] if matrix_kinds else "muon")
+        matrix_groups = [g for g in self.optimizer.param_groups if g["kind"] != "adamw"]
+        if self.config.cost_model == "numel" or not matrix_groups:
+            cost = cost_model(self.config.cost_model)
+        else:
+            # Priced with the matrix group's own settings (Newton-Schulz steps and method,
+            # Shampoo's refresh period, ...), so the plan balances what will actually run.
+            rule = rule_for_group(matrix_groups[0])
+            cost = cost_model("flops", optimizer=matrix_groups[0]["kind"], **rule.cost_options())
         return plan_dp_partitions(specs, world_size=self.world_size, bucket_numel=bucket_numel,
                                   alpha=self.config.alpha, strategy=self.config.strategy, cost=cost)
 
@@ -328,8 +334,9 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
             members = [(t, g) for t, g in zip(self._owned, grads) if t.group is group]
             if not members:
                 continue
+            # Every gradient is known finite here: the norm all-reduce already caught any overflow.
             rule_for_group(group).update_([t.master for t, _ in members], [g for _, g in members],
-                                          [t.state for t, _ in members], lr=group["lr"])
+                                          [t.state for t, _ in members], lr=group["lr"], known_finite=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for flat in self.grad_flat:
