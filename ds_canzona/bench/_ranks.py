@@ -1,0 +1,94 @@
+"""Running a benchmark function on N gloo ranks of this machine.
+
+Each rank is a fresh spawned process with the environment DeepSpeed's launcher would give it
+(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE, MASTER_ADDR/PORT), one torch thread per rank, plus any
+``env`` the caller adds (set before the child imports torch, so switches read at import time, such
+as ``TORCHDYNAMO_DISABLE``, take effect). ``fn(rank, world_size, *args)`` runs in each; its return
+value comes back through a file. A rank that raises fails the run with its traceback; a run past
+``timeout`` is killed, never left hanging.
+
+DeepSpeed's CPU accelerator maps a shared-memory all-reduce buffer per rank
+(``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``, about 66 MiB) and never
+unlinks it; every run here removes its own afterwards, or repeated runs fill /dev/shm (RAM).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["free_port", "remove_shm_buffers", "run_ranks"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def remove_shm_buffers(addr: str, port: int, world_size: int) -> None:
+    """Unlink the shared-memory all-reduce buffers DeepSpeed's CPU accelerator left for this run."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    for rank in range(world_size):
+        try:
+            os.unlink(f"/dev/shm/deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}")
+        except OSError:
+            pass
+
+
+def _entry(rank: int, world_size: int, port: int, outdir: str, threads: int, fn: Callable[..., Any],
+           args: tuple[Any, ...]) -> None:
+    import torch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_SIZE=str(world_size))
+    torch.set_num_threads(threads)
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+    except BaseException:
+        with open(os.path.join(outdir, f"rank{rank}.err"), "w", encoding="utf-8") as handle:
+            handle.write(traceback.format_exc())
+        raise
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 1800.0, threads: int = 1,
+              env: Mapping[str, str] | None = None) -> list[Any]:
+    """``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; the per-rank results."""
+    import torch
+    import torch.multiprocessing as mp
+
+    # Children inherit the environment at spawn time; set it here and restore it afterwards.
+    overrides = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **dict(env or {})}
+    saved = {key: os.environ.get(key) for key in overrides}
+    os.environ.update(overrides)
+    port = free_port()
+    try:
+        with tempfile.TemporaryDirectory() as outdir:
+            context = mp.start_processes(_entry, args=(world_size, port, outdir, threads, fn, args),
+                                         nprocs=world_size, join=False, start_method="spawn")
+            deadline = time.monotonic() + timeout
+            try:
+                while not context.join(timeout=1.0):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"distributed run of {fn.__name__} exceeded {timeout:.0f}s")
+            except Exception as error:
+                for process in context.processes:
+                    if process.is_alive():
+                        process.kill()
+                errors = [open(os.path.join(outdir, name), encoding="utf-8").read()
+                          for name in sorted(os.listdir(outdir)) if name.endswith(".err")]
+                raise RuntimeError(f"{error}\n" + "\n".join(errors)) from None
+            return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+    finally:
+        remove_shm_buffers("127.0.0.1", port, world_size)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
