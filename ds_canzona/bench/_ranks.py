@@ -42,14 +42,14 @@ def remove_shm_buffers(addr: str, port: int, world_size: int) -> None:
 
 
 def _entry(rank: int, world_size: int, port: int, outdir: str, threads: int, fn: Callable[..., Any],
-           args: tuple[Any, ...]) -> None:
+           args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
     import torch
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_SIZE=str(world_size))
     torch.set_num_threads(threads)
     try:
-        result = fn(rank, world_size, *args)
+        result = fn(rank, world_size, *args, **kwargs)
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
     except BaseException:
         with open(os.path.join(outdir, f"rank{rank}.err"), "w", encoding="utf-8") as handle:
@@ -58,8 +58,8 @@ def _entry(rank: int, world_size: int, port: int, outdir: str, threads: int, fn:
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 1800.0, threads: int = 1,
-              env: Mapping[str, str] | None = None) -> list[Any]:
-    """``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; the per-rank results."""
+              env: Mapping[str, str] | None = None, **kwargs: Any) -> list[Any]:
+    """``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned processes; the per-rank results."""
     import torch
     import torch.multiprocessing as mp
 
@@ -70,7 +70,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     port = free_port()
     try:
         with tempfile.TemporaryDirectory() as outdir:
-            context = mp.start_processes(_entry, args=(world_size, port, outdir, threads, fn, args),
+            context = mp.start_processes(_entry, args=(world_size, port, outdir, threads, fn, args, kwargs),
                                          nprocs=world_size, join=False, start_method="spawn")
             deadline = time.monotonic() + timeout
             try:

@@ -1,0 +1,25 @@
+"""Session-wide test setup."""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+
+_SESSION_START = time.time()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Remove the shared-memory buffers DeepSpeed's CPU accelerator left during this session.
+
+    Every DeepSpeed rank on the CPU maps a ~66 MiB /dev/shm buffer and never unlinks it; the
+    spawner removes its own, but launcher-based tests leave theirs. Only files created since
+    this session started are touched.
+    """
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{uid}_*"):
+        try:
+            if os.stat(path).st_mtime >= _SESSION_START:
+                os.unlink(path)
+        except OSError:
+            pass
