@@ -231,7 +231,7 @@ def single_process_env() -> None:
 
 
 def show_canzona_log() -> None:
-    """ds_canzona logs its plan summary (canzona.log_plan) to the "ds_canzona" logger: print it."""
+    """Show ds_canzona's INFO messages (e.g. which kernel backend runs); the plan summary prints itself."""
     import logging
 
     log = logging.getLogger("ds_canzona")
