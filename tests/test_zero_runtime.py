@@ -125,6 +125,16 @@ def test_rank_that_owns_nothing_trains_correctly():
     assert sum(losses[-4:]) < sum(losses[:4])
 
 
+def test_stage2_releases_gradient_buckets_and_equals_stage1_without_accumulation():
+    runs = {stage: run_ranks(train, 2, make_config(2, stage=stage, optimizer=MUON, gradient_accumulation_steps=1),
+                             4, timeout=300)
+            for stage in (1, 2)}
+    assert all(r["grad_buckets_held"] == 0 for r in runs[2])  # nothing held between steps
+    assert all(r["grad_buckets_held"] > 0 for r in runs[1])   # stage 1 keeps its buffers
+    assert_params_equal(runs[1][0]["params"], runs[2][0]["params"])
+    assert_params_equal(runs[2][0]["params"], single_process_replay(MUON, merged_grads(runs[2]), clip=1.0))
+
+
 def test_bf16_keeps_fp32_masters_and_trains():
     config = make_config(2, stage=2, optimizer=MUON, bf16={"enabled": True})
     results = run_ranks(train, 2, config, 8, timeout=300)

@@ -117,6 +117,7 @@ def train(rank: int, world_size: int, config: dict, steps: int, *, capture_grads
         "state_numel": sum(v.numel() for t in zero.owned_tensors() for v in t.state.values() if torch.is_tensor(v)),
         "comm": dict(zero.comm.bytes),
         "around_inject": around_inject,
+        "grad_buckets_held": sum(flat is not None for flat in zero.grad_flat),
         "master_dtypes": sorted({str(t.master.dtype) for t in zero.owned_tensors()}),
         "masters_match_params": all(torch.equal(zero.param_views[t.index], t.master.to(zero.dtype))
                                     for t in zero.owned_tensors()),

@@ -11,7 +11,8 @@ Data flow per optimizer step:
 
     backward:  grads accumulate into per-bucket flat buffers (plan order)
                stage 2: a bucket is reduce-scattered (uneven cuts) as soon as it is complete on
-               the boundary micro-batch; stage 1: all buckets at the boundary
+               the boundary micro-batch, and its buffer is released once that is done;
+               stage 1: all buckets at the boundary, buffers kept
     step:      average, one all-reduce of per-tensor squared norms (overflow + clipping),
                each rank updates the whole tensors it owns, then one all-gather per bucket
 
@@ -178,25 +179,46 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
     def _build_buffers(self) -> None:
         plan = self.plan
         self.param_flat: list[torch.Tensor] = []
-        self.grad_flat: list[torch.Tensor] = []
+        # Stage 1 keeps every bucket's gradient buffer; stage 2 allocates one when its first
+        # gradient of a step arrives and releases it once its reduce-scatter is done (None
+        # in between), so only the buckets in flight hold gradients.
+        self.grad_flat: list[torch.Tensor | None] = []
         self.grad_segment: list[torch.Tensor] = []
         self.param_views: list[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
-        self.grad_views: list[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
+        self.grad_views: list[torch.Tensor | None] = [None] * len(self.params)
         for bucket in plan.buckets:
             flat = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
-            grads = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
             for i in range(bucket.first, bucket.stop):
                 p, start = self.params[i], plan.offset[i]
                 view = flat[start:start + p.numel()].view_as(p)
                 view.copy_(p.data)
                 p.data = view
                 self.param_views[i] = view
-                self.grad_views[i] = grads[start:start + p.numel()].view_as(p)
             self.param_flat.append(flat)
-            self.grad_flat.append(grads)
+            self.grad_flat.append(None)
             cuts = bucket.cuts
             self.grad_segment.append(torch.empty(cuts[self.rank + 1] - cuts[self.rank], dtype=self.dtype,
                                                  device=self.device))
+            if not self.partition_gradients:
+                self._grad_bucket(bucket.index)
+
+    def _grad_bucket(self, b: int) -> torch.Tensor:
+        """Bucket b's flat gradient buffer, allocated (zeroed, with its per-param views) if absent."""
+        flat = self.grad_flat[b]
+        if flat is None:
+            bucket = self.plan.buckets[b]
+            flat = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
+            for i in range(bucket.first, bucket.stop):
+                start = self.plan.offset[i]
+                self.grad_views[i] = flat[start:start + self.params[i].numel()].view_as(self.params[i])
+            self.grad_flat[b] = flat
+        return flat
+
+    def _release_grad_bucket(self, b: int) -> None:
+        bucket = self.plan.buckets[b]
+        self.grad_flat[b] = None
+        for i in range(bucket.first, bucket.stop):
+            self.grad_views[i] = None
 
     def _build_owned_state(self) -> list[OwnedTensor]:
         owned = []
@@ -225,6 +247,7 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
         bucket = self.plan.bucket_of[i]
 
         def hook(param: torch.Tensor) -> None:
+            self._grad_bucket(bucket)
             self.grad_views[i].add_(param.grad)
             param.grad = None
             if self.partition_gradients and self.is_gradient_accumulation_boundary():
@@ -240,14 +263,25 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
         self._handles: list = []
 
     def _launch_bucket(self, b: int) -> None:
-        flat = self.grad_flat[b]
+        flat = self._grad_bucket(b)  # a bucket with no gradient this step still takes part, as zeros
         if self.gradient_predivide_factor != 1.0:
             flat.div_(self.gradient_predivide_factor)
         handle = reduce_scatter_uneven(self.grad_segment[b], flat, self.plan.buckets[b].cuts,
                                        group=self.dp_process_group, counter=self.comm,
                                        async_op=self.partition_gradients)
         if handle is not None:
-            self._handles.append(handle)
+            self._handles.append((b, handle))
+        if self.partition_gradients:
+            # Keep one reduce-scatter in flight behind backward; finish the older ones and
+            # give their gradient memory back.
+            while len(self._handles) > 1:
+                self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        b, handle = self._handles.pop(0)
+        handle.wait()
+        if self.partition_gradients:
+            self._release_grad_bucket(b)
 
     def _launch_ready_buckets(self, *, all_remaining: bool = False) -> None:
         # Buckets go out in one fixed order on every rank (last bucket first, as backward
@@ -258,9 +292,8 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
 
     def _finish_reduction(self) -> None:
         self._launch_ready_buckets(all_remaining=True)
-        for handle in self._handles:
-            handle.wait()
-        self._handles = []
+        while self._handles:
+            self._complete_oldest()
 
     def overlapping_partition_gradients_reduce_epilogue(self) -> None:
         """Engine hook after every backward under stage 2: flush at the boundary."""
@@ -340,7 +373,8 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for flat in self.grad_flat:
-            flat.zero_()
+            if flat is not None:
+                flat.zero_()
         for p in self.params:
             p.grad = None
         self._reset_reduction()
