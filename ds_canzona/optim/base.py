@@ -33,12 +33,12 @@ MATRIX_KINDS: frozenset[str] = frozenset({"muon", "shampoo", "soap"})
 def is_matrix(name: str, shape: Sequence[int]) -> bool:
     """The matrix rule: >= 2 dims, and neither an embedding nor the output head.
 
-    Embeddings and output heads are matrices in shape only: their rows are looked up (or
-    scored) one token at a time, so an orthogonalised or Kronecker-preconditioned update does
-    not suit them; they go to AdamW like the biases and norms.
+    One rule for the whole package: the planner's ``default_matrix_rule`` (DeepSpeed's Muon
+    rule), so the optimizers and the plans never disagree on which tensors are matrices.
     """
-    lowered = name.lower()
-    return len(shape) >= 2 and "embed" not in lowered and "lm_head" not in lowered
+    from ds_canzona.plan.specs import default_matrix_rule  # pure Python, no torch
+
+    return default_matrix_rule(name, shape)
 
 
 @runtime_checkable
