@@ -322,6 +322,11 @@ def train(args: argparse.Namespace) -> None:
         progress.close()
     if rank == 0:
         print(f"final loss {last_loss:.3f} (start {first_loss:.3f})", flush=True)
+    # Leaving with the process group alive lets gloo's threads be torn down at interpreter exit,
+    # which can abort the process ("terminate called without an active exception").
+    import deepspeed.comm as dist
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:

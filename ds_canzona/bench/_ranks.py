@@ -52,6 +52,10 @@ def _entry(rank: int, world_size: int, port: int, outdir: str, threads: int, fn:
     try:
         result = fn(rank, world_size, *args, **kwargs)
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+        # Tear the process group down before exit: gloo's threads destroyed at interpreter exit
+        # can abort the process ("terminate called without an active exception").
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     except BaseException:
         with open(os.path.join(outdir, f"rank{rank}.err"), "w", encoding="utf-8") as handle:
             handle.write(traceback.format_exc())
