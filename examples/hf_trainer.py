@@ -109,6 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     if trainer.is_world_process_zero() and losses:
         print(f"final loss {losses[-1]:.3f} (start {losses[0]:.3f})", flush=True)
+    # Leaving with the process group alive lets gloo's threads be torn down at interpreter exit,
+    # which can abort the process ("terminate called without an active exception").
+    import torch.distributed as torch_dist
+    if torch_dist.is_initialized():
+        torch_dist.barrier()
+        torch_dist.destroy_process_group()
     return 0
 
 
