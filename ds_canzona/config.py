@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, StrictBool, ValidationError, field_validator
+from pydantic import ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
@@ -43,8 +43,13 @@ class CanzonaConfig(DeepSpeedConfigModel):
     strategy: Literal["alpha_balanced", "start_index", "uniform"] = "alpha_balanced"
     """Cut placement. uniform is accepted only by the planner CLI and benchmarks; the runtime needs whole-tensor owners."""
 
-    cost_model: Literal["flops", "numel"] = "flops"
-    """What the planner balances: exact optimizer FLOPs per tensor, or the paper's numel."""
+    cost_model: Literal["roofline", "flops", "numel"] = "roofline"
+    """What the planner balances: optimizer-step time as matmul FLOPs plus memory-bound elementwise passes
+    (roofline), exact optimizer FLOPs per tensor, or the paper's numel."""
+
+    machine_balance: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    """roofline only: the device's matmul FLOP/s over its elementwise bytes/s. Default: 30 on the CPU, 150 on GPUs;
+    `python -m ds_canzona.bench calibrate` measures it."""
 
     kernels: Literal["auto", "triton", "torch"] = "auto"
     """Matrix kernels: Triton on CUDA where the shape is supported (auto), always Triton, or the torch reference."""
@@ -63,6 +68,12 @@ class CanzonaConfig(DeepSpeedConfigModel):
             raise ValueError("'uniform' splits tensors across ranks; the runtime needs whole-tensor owners "
                              "(use 'alpha_balanced' or 'start_index')")
         return value
+
+    @model_validator(mode="after")
+    def _balance_needs_roofline(self) -> "CanzonaConfig":
+        if self.machine_balance is not None and self.cost_model != "roofline":
+            raise ValueError(f"machine_balance applies to cost_model 'roofline' only, not {self.cost_model!r}")
+        return self
 
 
 def _format_error(error: ValidationError) -> str:

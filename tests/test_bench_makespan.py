@@ -63,7 +63,9 @@ def test_makespan_command_writes_json(tmp_path):
     data = json.loads(out.read_text())
     assert {"machine", "settings", "timings", "rows"} <= set(data)
     assert [row["dp"] for row in data["rows"]] == [2, 4]
+    assert data["settings"]["machine_balance"] == 30.0  # the runtime's CPU default
     for row in data["rows"]:
+        assert row["machine_balance"] == 30.0
         for strategy in STRATEGIES:
             assert row[strategy] > 0.0
         assert row["synchronous"] >= row["ds_canzona"]
@@ -79,3 +81,15 @@ def test_dispatcher_lists_the_benchmarks(capsys):
     assert "makespan" in COMMANDS and "step" in COMMANDS
     assert dispatch("python -m ds_canzona.bench", COMMANDS, ["makespan", "--help"]) == 0
     assert dispatch("python -m ds_canzona.bench", COMMANDS, ["makespan", "--dp", "0", "--models", "qwen3-0.6b"]) == 2
+
+
+def test_calibrate_measures_a_positive_balance_consistent_with_its_rates(tmp_path, capsys):
+    from ds_canzona.bench.calibrate import main as calibrate_main
+
+    out = tmp_path / "calibrate.json"
+    assert calibrate_main(["--matrix", "384", "--vector", str(2**20), "--repeats", "1", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["device"] == "cpu" and data["threads"] == 1 and data["default"] == 30.0
+    assert data["elementwise_bytes_per_s"] > 0 and data["matmul_flops_per_s"] > 0
+    assert data["machine_balance"] == pytest.approx(data["matmul_flops_per_s"] / data["elementwise_bytes_per_s"])
+    assert '"machine_balance": ' in capsys.readouterr().out

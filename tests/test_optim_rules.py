@@ -182,10 +182,8 @@ def test_cost_delegates_to_the_planner(monkeypatch):
 
 
 def test_cost_with_the_real_planner():
-    try:
-        from ds_canzona.plan import ParamSpec, cost_model
-    except ImportError:
-        pytest.skip("ds_canzona.plan does not export cost_model and ParamSpec yet")
+    from ds_canzona.plan import ParamSpec, cost_model
+
     for group in GROUPS.values():
         rule = rule_for_group(group)
         shape = (64, 32) if group["kind"] in MATRIX_KINDS else (64,)
@@ -194,6 +192,12 @@ def test_cost_with_the_real_planner():
     expected = cost_model(name="flops", optimizer="muon", ns_steps=5, ns_method="standard").cost(
         ParamSpec(name="w", shape=(64, 32), matrix=True))
     assert muon.cost((64, 32)) == expected
+    roofline = cost_model(name="roofline", optimizer="muon", machine_balance=9.0, ns_steps=5, ns_method="standard")
+    assert muon.cost((64, 32), model="roofline", machine_balance=9.0) == roofline.cost(
+        ParamSpec(name="w", shape=(64, 32), matrix=True))
+    adamw = rule_for_group({"kind": "adamw"})
+    assert adamw.cost((64,), model="roofline", machine_balance=9.0) == roofline.cost(
+        ParamSpec(name="b", shape=(64,), matrix=False))
 
 
 # --------------------------------------------------------------------------- AdamW

@@ -10,14 +10,17 @@ import pytest
 
 from ds_canzona.plan import (
     ADAMW_FLOPS_PER_ELEMENT,
+    DEFAULT_MACHINE_BALANCE,
     ParamSpec,
     PlanError,
     cost_model,
     default_matrix_rule,
     load_model_config,
     model_specs,
+    default_machine_balance,
     muon_flops,
     newton_schulz_flops,
+    optimizer_work,
     shampoo_flops,
     shard_for_tp,
     shipped_models,
@@ -284,3 +287,60 @@ def test_every_shipped_model_costs_are_finite() -> None:
         model = cost_model("flops", optimizer)
         costs = [model.cost(spec) for spec in model_specs("qwen3-8b")]
         assert all(math.isfinite(c) and c > 0 for c in costs)
+
+
+# ----------------------------------------------------------------------------- roofline
+
+
+def test_roofline_charges_elementwise_passes_for_their_bytes():
+    balance = 30.0
+    roofline = cost_model("roofline", "muon", machine_balance=balance)
+    embedding = ParamSpec(name="embed", shape=(4096, 256), matrix=False)
+    matrix = ParamSpec(name="w", shape=(256, 1024), matrix=True)
+    # AdamW: 24 fp32 element accesses per element, each byte worth `balance` matmul FLOPs.
+    assert roofline.cost(embedding) == balance * 4 * 24 * 4096 * 256
+    # Muon: Newton-Schulz at the matmul rate plus its 14 elementwise accesses per element.
+    assert roofline.cost(matrix) == newton_schulz_flops(256, 1024) + balance * 4 * 14 * 256 * 1024
+    # FLOPs alone make the embedding look nearly free next to the matrix; the roofline does not.
+    flops = cost_model("flops", "muon")
+    assert flops.cost(embedding) / flops.cost(matrix) < 0.05
+    assert roofline.cost(embedding) / roofline.cost(matrix) > 1.0
+
+
+@pytest.mark.parametrize("optimizer,options", [("muon", {"ns_method": "standard", "ns_steps": 6}),
+                                               ("shampoo", {"precondition_frequency": 7}),
+                                               ("soap", {"max_preconditioner_dim": 100})])
+def test_step_work_adds_up_to_the_flops_model(optimizer, options):
+    for shape in [(64, 320), (320, 64), (2048, 1000), (8, 3, 3, 3)]:
+        spec = ParamSpec(name="w", shape=shape, matrix=True)
+        work = optimizer_work(spec, optimizer, **options)
+        assert work.flops == pytest.approx(cost_model("flops", optimizer, **options).cost(spec), rel=1e-12)
+        assert work.matmul_flops >= 0 and work.elementwise_accesses > 0
+        # A balance too small to matter leaves FLOPs; the elementwise part can only add.
+        assert work.roofline(1e-9) == pytest.approx(work.flops, rel=1e-12)
+        assert work.roofline(1e3) > work.flops
+
+
+def test_roofline_tp_shard_and_label():
+    roofline = cost_model("roofline", "muon", machine_balance=12.5, ns_method="standard")
+    full = ParamSpec(name="w", shape=(256, 512), matrix=True)
+    shard = ParamSpec(name="w", shape=(64, 512), matrix=True, tp_size=4, tp_dim=0)
+    assert roofline.cost(shard) == pytest.approx(roofline.cost(full) / 4, rel=1e-12)
+    assert roofline.label == "roofline:muon(ns_method=standard,ns_steps=5,machine_balance=12.5)"
+    assert cost_model("roofline").machine_balance == DEFAULT_MACHINE_BALANCE["cuda"]
+    assert default_machine_balance("cpu") == DEFAULT_MACHINE_BALANCE["cpu"]
+    assert default_machine_balance("xpu") == DEFAULT_MACHINE_BALANCE["cuda"]
+
+
+@pytest.mark.parametrize("balance", [0, -1.0, float("nan"), float("inf"), True, "30"])
+def test_roofline_rejects_a_bad_machine_balance(balance):
+    with pytest.raises(PlanError, match="machine_balance"):
+        cost_model("roofline", machine_balance=balance)
+
+
+def test_machine_balance_belongs_to_the_roofline_model_only():
+    for name in ("flops", "numel"):
+        with pytest.raises(PlanError, match="roofline cost model only"):
+            cost_model(name, machine_balance=30.0)
+    with pytest.raises(PlanError, match="'roofline', 'flops', 'numel'"):
+        cost_model("time")

@@ -204,7 +204,7 @@ def test_to_dict_matches_the_json_schema() -> None:
     plan = plan_dp_partitions(specs, world_size=8, bucket_numel=100_000_000)
     document = json.loads(plan.to_json())
     assert document["world_size"] == 8 and document["strategy"] == "alpha_balanced"
-    assert document["alpha"] == 1.0 and document["cost_model"] == "flops" and document["bucket_numel"] == 100_000_000
+    assert document["alpha"] == 1.0 and document["cost_model"] == "roofline" and document["bucket_numel"] == 100_000_000
     assert [b["cuts"] for b in document["buckets"]] == [list(b.cuts) for b in plan.buckets]
     assert all(len(b["cuts"]) == 9 and b["cuts"][-1] == b["numel"] for b in document["buckets"])
     assert [p["name"] for p in document["params"]] == [s.name for s in specs]

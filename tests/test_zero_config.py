@@ -21,6 +21,10 @@ BAD_SECTIONS = [
     ({"log_plan": 3}, "canzona.log_plan"),
     ({"alhpa": 1.0}, "canzona.alhpa"),
     ({"comm_timeout_s": 0}, "canzona.comm_timeout_s"),
+    ({"machine_balance": 0}, "canzona.machine_balance"),
+    ({"machine_balance": -30.0}, "canzona.machine_balance"),
+    ({"machine_balance": "fast"}, "canzona.machine_balance"),
+    ({"cost_model": "flops", "machine_balance": 30.0}, "machine_balance applies to cost_model 'roofline' only"),
 ]
 
 
@@ -89,3 +93,23 @@ def test_no_section_or_disabled_builds_deepspeeds_own_optimizer():
 def test_deepspeed_version_check(version, ok):
     from ds_canzona.zero.hook import deepspeed_version_supported
     assert deepspeed_version_supported(version) is ok
+
+
+def _plan_cost_labels(rank, world_size, sections):
+    from zero_workers import init_engine, make_config
+
+    labels = []
+    for section in sections:
+        config = make_config(world_size)
+        config["canzona"] = {**config["canzona"], **section}
+        labels.append(init_engine(config).optimizer.plan.cost_label)
+    return labels
+
+
+def test_cost_model_and_machine_balance_reach_the_plan():
+    sections = [{}, {"machine_balance": 7.5}, {"cost_model": "flops"}, {"cost_model": "numel"}]
+    default, configured, flops, numel = run_ranks(_plan_cost_labels, 1, sections, timeout=240)[0]
+    # Default: roofline priced with the matrix group's own Newton-Schulz settings and the CPU's balance.
+    assert default.startswith("roofline:muon(") and default.endswith("machine_balance=30)"), default
+    assert configured.endswith("machine_balance=7.5)"), configured
+    assert flops.startswith("flops:muon(") and numel == "numel"

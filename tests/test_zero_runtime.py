@@ -91,7 +91,9 @@ def test_optimizer_state_is_only_the_owned_tensors_and_half_deepspeeds(dp3_syste
 def test_plan_summary_names_every_rank(dp3_systems):
     ours, _, _ = dp3_systems
     summary = ours[0]["plan_summary"]
-    assert "flops max/avg" in summary and all(f"rank {r}:" in summary for r in range(3))
+    assert "cost max/avg" in summary and all(f"rank {r}:" in summary for r in range(3))
+    # The runtime's default cost model: roofline, with the CPU's default machine balance.
+    assert "cost=roofline:muon(" in summary and "machine_balance=30)" in summary, summary
 
 
 @pytest.mark.parametrize("ranks", ["all", "owner"])

@@ -6,7 +6,7 @@ own bucketed all-reduce averages the gradients and its own clipping applies:
 - synchronous (:class:`ds_canzona.optim.Muon` / ``Shampoo`` as they are): every rank holds the
   whole state and updates every tensor (what the Canzona paper calls SC);
 - layer-wise (:class:`LayerwiseOptimizer`): every tensor owned whole by one rank (LPT over the
-  same FLOPs cost model ds_canzona plans with), the owner updates it, and each rank then
+  same cost model ds_canzona plans with), the owner updates it, and each rank then
   broadcasts its updated tensors to the others (all-reduce plus redistribution, as in NVIDIA's
   layer-wise distributed optimizer).
 
@@ -23,9 +23,10 @@ import math
 from collections.abc import Sequence
 
 import torch
+from deepspeed.accelerator import get_accelerator
 
 from ds_canzona.optim import rule_for_group
-from ds_canzona.plan import DPPlan, ParamSpec
+from ds_canzona.plan import DPPlan, ParamSpec, default_machine_balance
 
 __all__ = [
     "LayerwiseOptimizer",
@@ -53,7 +54,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     """Layer-wise scheme over the param groups of a ``ds_canzona.optim`` optimizer.
 
     Each tensor is owned whole by one rank of ``process_group`` (:func:`lpt_owners` over the
-    rule's FLOPs cost). ``step`` expects gradients already averaged on every rank (DeepSpeed's
+    cost model ds_canzona's runtime plans with by default: roofline, with the device's default
+    machine balance). ``step`` expects gradients already averaged on every rank (DeepSpeed's
     ZeRO-0 all-reduce does that): the owner runs the per-tensor rule, keeping state for its own
     tensors only, then every rank broadcasts its updated tensors as one flat buffer.
     """
@@ -68,7 +70,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._sources = [dist.get_global_rank(process_group, r) if process_group is not None else r
                          for r in range(self.world_size)]
         tensors = [(p, group) for group in self.param_groups for p in group["params"]]
-        costs = [rule_for_group(group).cost(tuple(p.shape)) for p, group in tensors]
+        balance = default_machine_balance(get_accelerator().device_name())
+        costs = [rule_for_group(group).cost(tuple(p.shape), model="roofline", machine_balance=balance)
+                 for p, group in tensors]
         owners = lpt_owners(costs, self.world_size)
         self.owner = {p: owner for (p, _), owner in zip(tensors, owners)}
         self.owned_by: list[list[torch.Tensor]] = [[] for _ in range(self.world_size)]

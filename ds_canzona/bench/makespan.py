@@ -14,12 +14,14 @@ update times. Here:
    thread, median of ``--repeats``.
 3. Every strategy's assignment is charged those times, per rank, at each DP size:
 
-   - ds_canzona (alpha-balanced, FLOPs cost, alpha 1): the plan the runtime computes;
+   - ds_canzona (alpha-balanced, alpha 1, roofline cost with this machine's default balance):
+     the plan the runtime computes here;
+   - ds_canzona with the FLOPs cost model (which prices AdamW's memory-bound passes as free);
    - start-index: equal cuts, each tensor owned by the rank holding its start (the paper's naive
      start-index ownership);
    - DeepSpeed 0.19.8's Muon: equal partitions of each param group (Muon group sorted by size),
      a straddling matrix orthogonalised on every rank it touches;
-   - layer-wise: whole-tensor LPT owners over the same FLOPs cost (unconstrained by the buffer);
+   - layer-wise: whole-tensor LPT owners over the same roofline cost (unconstrained by the buffer);
    - synchronous: every rank updates every tensor.
 
 It reports the busiest rank's time and its ratio to ds_canzona's, and the ideal (total / DP).
@@ -40,10 +42,10 @@ from ..cli import Command, OneLineParser
 
 __all__ = ["MAKESPAN", "MakespanRow", "main", "makespan_study", "scaled_config", "time_shapes"]
 
-STRATEGIES = ("ds_canzona", "ds_canzona_measured", "start_index", "deepspeed_muon", "layerwise", "synchronous")
+STRATEGIES = ("ds_canzona", "ds_canzona_flops", "start_index", "deepspeed_muon", "layerwise", "synchronous")
 LABELS = {
     "ds_canzona": "ds_canzona",
-    "ds_canzona_measured": "ds_canzona, measured cost",
+    "ds_canzona_flops": "ds_canzona, FLOPs cost",
     "start_index": "start-index",
     "deepspeed_muon": "DeepSpeed Muon",
     "layerwise": "layer-wise (LPT)",
@@ -118,8 +120,9 @@ class MakespanRow:
     dp: int
     bucket_numel: int
     ideal: float
+    machine_balance: float
     ds_canzona: float
-    ds_canzona_measured: float
+    ds_canzona_flops: float
     start_index: float
     deepspeed_muon: float
     layerwise: float
@@ -131,27 +134,14 @@ class MakespanRow:
         return getattr(self, strategy) / self.ds_canzona
 
 
-@dataclass(frozen=True)
-class MeasuredCost:
-    """A cost model that prices each tensor at its measured update time (what a calibrated runtime would plan with)."""
-
-    seconds: tuple[tuple[tuple[tuple[int, ...], bool], float], ...]
-    name: str = "measured"
-
-    @property
-    def label(self) -> str:
-        return "measured"
-
-    def cost(self, spec) -> float:
-        return dict(self.seconds)[(tuple(spec.shape), spec.matrix)]
-
-
 def makespan_study(models: Sequence[str], *, scale: int, dps: Sequence[int], bucket_numel: int | None,
-                   ns_method: str = "gram", repeats: int = 5, log=None) -> tuple[list[MakespanRow], dict[str, Any]]:
+                   machine_balance: float, ns_method: str = "gram", repeats: int = 5,
+                   log=None) -> tuple[list[MakespanRow], dict[str, Any]]:
     from ..plan import cost_model, plan_dp_partitions, qwen3_specs
     from .baselines import deepspeed_muon_loads, layerwise_loads, plan_loads, synchronous_loads
 
-    cost = cost_model("flops", "muon", ns_method=ns_method)
+    cost = cost_model("roofline", "muon", machine_balance=machine_balance, ns_method=ns_method)
+    flops = cost_model("flops", "muon", ns_method=ns_method)
     rows: list[MakespanRow] = []
     timings: dict[str, Any] = {}
     for model in models:
@@ -170,13 +160,13 @@ def makespan_study(models: Sequence[str], *, scale: int, dps: Sequence[int], buc
         bucket = bucket_numel or max(1, 500_000_000 // (scale * scale))
         for dp in dps:
             ours = plan_dp_partitions(specs, world_size=dp, bucket_numel=bucket, cost=cost)
-            calibrated = plan_dp_partitions(specs, world_size=dp, bucket_numel=bucket,
-                                            cost=MeasuredCost(tuple(measured.items())))
+            by_flops = plan_dp_partitions(specs, world_size=dp, bucket_numel=bucket, cost=flops)
             naive = plan_dp_partitions(specs, world_size=dp, bucket_numel=bucket, strategy="start_index", cost=cost)
             deepspeed, runs = deepspeed_muon_loads(specs, times, dp)
             rows.append(MakespanRow(
                 model=model, scale=scale, dp=dp, bucket_numel=bucket, ideal=sum(times) / dp,
-                ds_canzona=max(plan_loads(ours, times)), ds_canzona_measured=max(plan_loads(calibrated, times)),
+                machine_balance=machine_balance, ds_canzona=max(plan_loads(ours, times)),
+                ds_canzona_flops=max(plan_loads(by_flops, times)),
                 start_index=max(plan_loads(naive, times)),
                 deepspeed_muon=max(deepspeed), layerwise=max(layerwise_loads(costs, times, dp)),
                 synchronous=max(synchronous_loads(times, dp)), deepspeed_ns_runs=runs,
@@ -204,7 +194,7 @@ OTHERS = ("start_index", "deepspeed_muon", "layerwise", "synchronous")
 def summary(rows: Sequence[MakespanRow]) -> list[str]:
     """Whether each ds_canzona variant's busiest rank is at or below every other strategy's, cell by cell."""
     lines = []
-    for ours in ("ds_canzona", "ds_canzona_measured"):
+    for ours in ("ds_canzona", "ds_canzona_flops"):
         beaten = [(row, other) for row in rows for other in OTHERS if getattr(row, other) < getattr(row, ours)]
         cells = len({(row.model, row.dp) for row, _ in beaten})
         text = (f"{LABELS[ours]}: busiest rank at or below every other strategy's in {len(rows) - cells}/{len(rows)} "
@@ -250,6 +240,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket-numel", type=lambda text: int(float(text)), default=None,
                         help="bucket in elements (default: DeepSpeed's 5e8 divided by scale^2)")
     parser.add_argument("--ns-method", choices=("gram", "standard"), default="gram")
+    parser.add_argument("--machine-balance", type=float, default=None,
+                        help="roofline balance, FLOPs per byte (default: the runtime's CPU default)")
     parser.add_argument("--repeats", type=int, default=5, help="timed updates per shape (median)")
     parser.add_argument("--json", metavar="FILE", help="also write every number as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="also draw the makespans (needs matplotlib)")
@@ -263,14 +255,20 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     started = time.perf_counter()
+    from ..plan import default_machine_balance
+
+    balance = args.machine_balance or default_machine_balance("cpu")
+    if balance <= 0:
+        raise ValueError(f"--machine-balance must be > 0, got {balance}")
     rows, timings = makespan_study(models, scale=args.scale, dps=dps, bucket_numel=args.bucket_numel,
-                                   ns_method=args.ns_method, repeats=args.repeats,
+                                   machine_balance=balance, ns_method=args.ns_method, repeats=args.repeats,
                                    log=lambda text: print(text, file=sys.stderr))
     from .step import machine_info
 
     info = machine_info()
     print(f"Optimizer-step makespan (Muon, {args.ns_method} Newton-Schulz, fp32; AdamW for non-matrices), busiest "
-          f"rank in ms, per-tensor updates timed on {info['cpu']} (one thread, median of {args.repeats}).")
+          f"rank in ms, per-tensor updates timed on {info['cpu']} (one thread, median of {args.repeats}); "
+          f"ds_canzona and layer-wise plan with the roofline cost, machine balance {balance:g}.")
     print()
     print(makespan_markdown(rows))
     print()
@@ -281,6 +279,7 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump({"machine": info, "settings": {"models": models, "scale": args.scale, "dp": dps,
                                                      "bucket_numel": args.bucket_numel, "ns_method": args.ns_method,
+                                                     "machine_balance": balance,
                                                      "repeats": args.repeats},
                        "timings": timings, "rows": [asdict(row) for row in rows]}, handle, indent=1)
     if args.plot:

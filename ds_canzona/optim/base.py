@@ -60,8 +60,8 @@ class TensorRule(Protocol):
         """
         ...
 
-    def cost(self, shape: tuple[int, ...]) -> float:
-        """The optimizer-step cost of one tensor of this shape, from the planner's FLOPs model."""
+    def cost(self, shape: tuple[int, ...], *, model: str = "flops", machine_balance: float | None = None) -> float:
+        """The optimizer-step cost of one tensor of this shape, from the planner's cost ``model``."""
         ...
 
 
@@ -222,19 +222,20 @@ class RuleBase:
         """This kind's hyper-parameters under the names the planner's FLOPs model takes."""
         return {}
 
-    def cost(self, shape: tuple[int, ...]) -> float:
-        """FLOPs of one update of a tensor of ``shape``, from the planner's cost model."""
+    def cost(self, shape: tuple[int, ...], *, model: str = "flops", machine_balance: float | None = None) -> float:
+        """One update of a tensor of ``shape`` priced by the planner's ``model`` (FLOPs by default)."""
         # Imported here: the planner is a neighbour, not a dependency of the math.
         from ds_canzona.plan import ParamSpec, cost_model
 
-        # The planner's flops model prices a non-matrix spec as AdamW whichever matrix optimizer
-        # it is built for, so AdamW asks the default model with matrix=False.
+        # The planner's models price a non-matrix spec as AdamW whichever matrix optimizer they
+        # are built for, so AdamW asks the default model with matrix=False.
+        extra = {} if machine_balance is None else {"machine_balance": machine_balance}
         matrix = self.kind in MATRIX_KINDS
         if matrix:
-            model = cost_model(name="flops", optimizer=self.kind, **self.cost_options())
+            pricing = cost_model(name=model, optimizer=self.kind, **extra, **self.cost_options())
         else:
-            model = cost_model(name="flops")
-        return float(model.cost(ParamSpec(name=self.kind, shape=tuple(int(d) for d in shape), matrix=matrix)))
+            pricing = cost_model(name=model, **extra)
+        return float(pricing.cost(ParamSpec(name=self.kind, shape=tuple(int(d) for d in shape), matrix=matrix)))
 
 
 def with_master(param: Tensor, fn: Any) -> None:

@@ -1,11 +1,20 @@
 """Cost models: how much optimizer work one tensor is.
 
-A cost model is a small object with a ``name`` and one method, ``cost(spec) -> float``. Two kinds:
+A cost model is a small object with a ``name`` and one method, ``cost(spec) -> float``. Three kinds:
 
 - ``numel``: the paper's linear model, W(p) = numel(p).
 - ``flops``: floating-point operations of one optimizer step on that tensor, counted from the
   algorithm (matrix products as 2·m·n·k, elementwise ops one flop per element and operation).
   Matrices pay the matrix optimizer (Muon, Shampoo or SOAP); other tensors pay AdamW.
+- ``roofline`` (the runtime's default): the same step priced by what bounds each part of it.
+  Matrix products run at the device's matmul rate; elementwise passes (AdamW, momentum, the
+  update) run at its memory bandwidth, so they cost ``machine_balance`` FLOPs per byte moved:
+
+      cost = matmul FLOPs + max(elementwise FLOPs, machine_balance · elementwise bytes)
+
+  FLOPs alone price an AdamW element at 15 operations against thousands for a Muon element, and
+  a big embedding under AdamW then looks free; measured on one CPU thread, AdamW on a
+  37984 x 1024 embedding takes 3.3x as long as Muon on a 1024 x 1024 matrix (docs/PLANNER.md).
 
 The FLOP counts are exact for the algorithms as written in each docstring; what they do not model
 is kernel efficiency (a small matrix runs further from peak than a big one), which matters little
@@ -27,13 +36,19 @@ from .specs import ParamSpec, PlanError
 
 __all__ = [
     "ADAMW_FLOPS_PER_ELEMENT",
+    "COST_MODELS",
+    "DEFAULT_MACHINE_BALANCE",
     "CostModel",
     "FlopsCost",
     "NumelCost",
+    "RooflineCost",
+    "StepWork",
     "adamw_flops",
     "cost_model",
+    "default_machine_balance",
     "muon_flops",
     "newton_schulz_flops",
+    "optimizer_work",
     "shampoo_flops",
     "soap_flops",
 ]
@@ -45,6 +60,30 @@ ADAMW_FLOPS_PER_ELEMENT = 15
 # Muon's elementwise work per element besides Newton-Schulz: momentum lerp (3), Nesterov lerp (3),
 # Frobenius normalisation (square-add 2, divide 1), decay and scaled update (3).
 _MUON_ELEMENTWISE_FLOPS = 12
+
+# Elements read or written per tensor element by the elementwise passes of one step, as the
+# per-tensor rules in ds_canzona.optim run them (each torch op reads its inputs and writes its
+# output once). AdamW: lerp of m (3), g² (2), lerp of v (3), two bias corrections (2 + 2), sqrt
+# (2), + eps (2), divide (3), decay (2), update (3).
+ADAMW_ACCESSES_PER_ELEMENT = 24
+# Muon outside Newton-Schulz: momentum lerp (3), Nesterov lerp (3), normalisation (norm 1,
+# scale 2), decay (2), update (3).
+_MUON_ACCESSES_PER_ELEMENT = 14
+# Shampoo's grafting: AdamW's passes plus the two norms (2) and the rescale (2).
+_SHAMPOO_ACCESSES_PER_ELEMENT = ADAMW_ACCESSES_PER_ELEMENT + 4
+# A factor's EMA (lerp: read the factor and the new statistic, write the factor).
+_EMA_ACCESSES = 3
+
+# Bytes of one element of optimizer state and master weights (fp32).
+STATE_ELEMENT_BYTES = 4
+
+# Matmul FLOP/s over elementwise bytes/s, for the roofline model, per device kind. cpu: measured
+# on the development machine with the per-tensor rules themselves (one thread, fp32: Muon on
+# 2048 x 2048 at ~130 GFLOP/s, AdamW at ~4.5 GB/s; `python -m ds_canzona.bench calibrate`).
+# cuda: from H100/H200 datasheets (dense bf16 ~990 TFLOP/s; 3.35-4.8 TB/s HBM) with the matmul
+# rate derated to what Newton-Schulz-sized products reach; not measured here. Calibrate on the
+# real device and set canzona.machine_balance where it matters.
+DEFAULT_MACHINE_BALANCE = {"cpu": 30.0, "cuda": 150.0}
 
 # Symmetric eigendecomposition with eigenvectors (tridiagonalisation plus implicit QR), about
 # 9·k^3 flops (Golub & Van Loan, Matrix Computations, Table 8.3.1 gives ~9n^3 for Q and Lambda).
@@ -118,8 +157,7 @@ def muon_flops(shape: tuple[int, ...], *, ns_steps: int = 5, ns_method: str = "g
     The elementwise part is the momentum and Nesterov lerps (6), the Frobenius normalisation
     before the iteration (3) and the decayed, scaled update (3); see :func:`newton_schulz_flops`.
     """
-    rows, cols = _as_matrix(shape)
-    return newton_schulz_flops(rows, cols, steps=ns_steps, method=ns_method) + _MUON_ELEMENTWISE_FLOPS * rows * cols
+    return _muon_work(shape, ns_steps=ns_steps, ns_method=ns_method).flops
 
 
 def shampoo_flops(
@@ -137,16 +175,8 @@ def shampoo_flops(
     - Adam grafting and the update: 15 flops per element (AdamW's count) plus 5 for the two
       Frobenius norms and the rescale.
     """
-    rows, cols = _as_matrix(shape)
-    flops = 0.0
-    for a, a_count in _blocks(rows, max_preconditioner_dim):
-        for b, b_count in _blocks(cols, max_preconditioner_dim):
-            per_block = 2 * a * a * b + 3 * a * a + 2 * a * b * b + 3 * b * b
-            per_block += 2 * a * a * b + 2 * a * b * b
-            per_block += (11 * (a**3 + b**3) + a * a + b * b) / precondition_frequency
-            per_block += (ADAMW_FLOPS_PER_ELEMENT + 5) * a * b
-            flops += a_count * b_count * per_block
-    return flops
+    return _shampoo_work(shape, precondition_frequency=precondition_frequency,
+                         max_preconditioner_dim=max_preconditioner_dim).flops
 
 
 def soap_flops(
@@ -165,13 +195,83 @@ def soap_flops(
       step LQ (2k³), the eigenvalue estimate diag(Qᵀ(LQ)) (2k³) and a QR ((4/3)k³); plus rotating
       the second moment to the new order (a·b), i.e. ((16/3)(a³ + b³) + ab) / frequency.
     """
+    return _soap_work(shape, precondition_frequency=precondition_frequency,
+                      max_preconditioner_dim=max_preconditioner_dim).flops
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """One optimizer step on one tensor, split by what bounds each part's speed."""
+
+    matmul_flops: float
+    """Matrix products and factorisations (Newton-Schulz, statistics, rotations, roots): compute-bound."""
+    elementwise_flops: float
+    """Elementwise arithmetic (moments, normalisation, the update)."""
+    elementwise_accesses: float
+    """Elements read or written by the elementwise passes: memory-bound."""
+
+    @property
+    def flops(self) -> float:
+        return self.matmul_flops + self.elementwise_flops
+
+    def roofline(self, machine_balance: float, element_bytes: int = STATE_ELEMENT_BYTES) -> float:
+        """FLOPs at the matmul rate that this step takes: elementwise passes charged for their bytes."""
+        memory = machine_balance * element_bytes * self.elementwise_accesses
+        return self.matmul_flops + max(self.elementwise_flops, memory)
+
+
+def _adamw_work(numel: int) -> StepWork:
+    return StepWork(0.0, adamw_flops(numel), float(ADAMW_ACCESSES_PER_ELEMENT * numel))
+
+
+def _muon_work(shape: tuple[int, ...], *, ns_steps: int = 5, ns_method: str = "gram") -> StepWork:
+    rows, cols = _as_matrix(shape)
+    return StepWork(newton_schulz_flops(rows, cols, steps=ns_steps, method=ns_method),
+                    float(_MUON_ELEMENTWISE_FLOPS * rows * cols), float(_MUON_ACCESSES_PER_ELEMENT * rows * cols))
+
+
+def _shampoo_work(shape: tuple[int, ...], *, precondition_frequency: int = 100,
+                  max_preconditioner_dim: int = 1024) -> StepWork:
+    rows, cols = _as_matrix(shape)
+    matmul = elementwise = accesses = 0.0
+    for a, a_count in _blocks(rows, max_preconditioner_dim):
+        for b, b_count in _blocks(cols, max_preconditioner_dim):
+            blocks = a_count * b_count
+            products = 2 * a * a * b + 2 * a * b * b  # statistics GGᵀ and GᵀG
+            products += 2 * a * a * b + 2 * a * b * b  # L^(-1/4) G R^(-1/4)
+            products += 11 * (a**3 + b**3) / precondition_frequency  # eigh and Q·diag·Qᵀ
+            matmul += blocks * products
+            elementwise += blocks * (3 * a * a + 3 * b * b + (a * a + b * b) / precondition_frequency
+                                     + (ADAMW_FLOPS_PER_ELEMENT + 5) * a * b)
+            accesses += blocks * (_EMA_ACCESSES * (a * a + b * b) + _SHAMPOO_ACCESSES_PER_ELEMENT * a * b)
+    return StepWork(matmul, elementwise, accesses)
+
+
+def _soap_work(shape: tuple[int, ...], *, precondition_frequency: int = 10,
+               max_preconditioner_dim: int = 10000) -> StepWork:
     rows, cols = _as_matrix(shape)
     a = rows if rows <= max_preconditioner_dim else 0
     b = cols if cols <= max_preconditioner_dim else 0
     rotation = 2 * a * a * cols + 2 * rows * b * b
-    statistics = 2 * a * a * cols + 3 * a * a + 2 * rows * b * b + 3 * b * b
-    refresh = ((4.0 + _QR_FLOPS_COEFF) * (a**3 + b**3) + rows * cols) / precondition_frequency
-    return float(statistics + 3 * rotation + ADAMW_FLOPS_PER_ELEMENT * rows * cols + refresh)
+    matmul = 2 * a * a * cols + 2 * rows * b * b + 3 * rotation
+    matmul += (4.0 + _QR_FLOPS_COEFF) * (a**3 + b**3) / precondition_frequency
+    elementwise = 3 * a * a + 3 * b * b + ADAMW_FLOPS_PER_ELEMENT * rows * cols + rows * cols / precondition_frequency
+    accesses = (_EMA_ACCESSES * (a * a + b * b) + ADAMW_ACCESSES_PER_ELEMENT * rows * cols
+                + 2 * rows * cols / precondition_frequency)
+    return StepWork(float(matmul), float(elementwise), float(accesses))
+
+
+_OPTIMIZER_WORK: dict[str, Callable[..., StepWork]] = {"muon": _muon_work, "shampoo": _shampoo_work,
+                                                        "soap": _soap_work}
+
+
+def optimizer_work(spec: ParamSpec, optimizer: str = "muon", **options: Any) -> StepWork:
+    """The work of one step on ``spec``: ``optimizer`` for a matrix, AdamW otherwise (TP: 1/tp_size each)."""
+    if not spec.matrix:
+        return _adamw_work(spec.numel)
+    work = _OPTIMIZER_WORK[optimizer](spec.full_shape, **options)
+    return StepWork(work.matmul_flops / spec.tp_size, work.elementwise_flops / spec.tp_size,
+                    work.elementwise_accesses / spec.tp_size)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -234,19 +334,59 @@ class FlopsCost:
         return flops / spec.tp_size
 
 
-def cost_model(name: str = "flops", optimizer: str = "muon", **options: Any) -> CostModel:
-    """Build a cost model: ``numel``, or ``flops`` of ``optimizer`` with its options.
+@dataclass(frozen=True, kw_only=True)
+class RooflineCost(FlopsCost):
+    """One step's time in matmul FLOPs: elementwise passes charged ``machine_balance`` FLOPs per byte."""
+
+    machine_balance: float = DEFAULT_MACHINE_BALANCE["cuda"]
+    name: ClassVar[str] = "roofline"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.machine_balance, bool) or not isinstance(self.machine_balance, (int, float)) \
+                or not math.isfinite(self.machine_balance) or self.machine_balance <= 0:
+            raise PlanError(f"Invalid machine_balance={self.machine_balance!r}: must be a finite number > 0 "
+                            "(matmul FLOP/s over elementwise bytes/s).")
+        object.__setattr__(self, "machine_balance", float(self.machine_balance))
+
+    @property
+    def label(self) -> str:
+        settings = ",".join(f"{key}={value}" for key, value in self.options)
+        return f"roofline:{self.optimizer}({settings},machine_balance={self.machine_balance:g})"
+
+    def cost(self, spec: ParamSpec) -> float:
+        return optimizer_work(spec, self.optimizer, **dict(self.options)).roofline(self.machine_balance)
+
+
+COST_MODELS = ("roofline", "flops", "numel")
+
+
+def default_machine_balance(device: str) -> float:
+    """The roofline model's default balance for a device kind ("cpu", "cuda", ...): GPUs share one value."""
+    return DEFAULT_MACHINE_BALANCE.get(device, DEFAULT_MACHINE_BALANCE["cuda"])
+
+
+def cost_model(name: str = "flops", optimizer: str = "muon", *, machine_balance: float | None = None,
+               **options: Any) -> CostModel:
+    """Build a cost model: ``numel``, ``flops`` or ``roofline`` of ``optimizer`` with its options.
 
     Options: Muon ``ns_steps`` (5), ``ns_method`` ("gram" or "standard"); Shampoo and SOAP
     ``precondition_frequency`` (100 / 10) and ``max_preconditioner_dim`` (1024 / 10000).
+    ``machine_balance`` (roofline only): matmul FLOP/s over elementwise bytes/s of the device
+    (default: ``DEFAULT_MACHINE_BALANCE["cuda"]``).
     """
+    if name != "roofline" and machine_balance is not None:
+        raise PlanError(f"machine_balance applies to the roofline cost model only, not {name!r}.")
     if name == "numel":
         if options:
             raise PlanError(f"The numel cost model takes no options, got {sorted(options)}.")
         return NumelCost()
     if name == "flops":
         return FlopsCost(optimizer=optimizer, options=tuple(sorted(options.items())))
-    raise PlanError(f"Invalid cost model name={name!r}: must be 'numel' or 'flops'.")
+    if name == "roofline":
+        balance = DEFAULT_MACHINE_BALANCE["cuda"] if machine_balance is None else machine_balance
+        return RooflineCost(optimizer=optimizer, options=tuple(sorted(options.items())), machine_balance=balance)
+    raise PlanError(f"Invalid cost model name={name!r}: must be one of {', '.join(map(repr, COST_MODELS))}.")
 
 
 def _as_matrix(shape: tuple[int, ...]) -> tuple[int, int]:

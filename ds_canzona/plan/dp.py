@@ -143,7 +143,7 @@ class DPPlan:
 
     @property
     def flops_ratio(self) -> float:
-        """Busiest rank's cost over the ideal average (named for the FLOPs cost model)."""
+        """Busiest rank's cost over the ideal average, in the plan's cost model (named for the FLOPs one)."""
         return _ratio(self.rank_costs(), sum(self.costs), self.world_size)
 
     @property
@@ -242,7 +242,7 @@ def plan_dp_partitions(
     """Plan DP ownership of ``specs`` (in buffer order) over ``world_size`` ranks.
 
     A pure function of its arguments: every rank computes the same plan. ``cost`` defaults to the
-    Muon FLOPs model.
+    runtime's model: Muon roofline with the GPU machine balance (``cost_model("roofline")``).
     """
     specs = tuple(specs)
     if not specs:
@@ -256,7 +256,7 @@ def plan_dp_partitions(
         raise PlanError(f"Invalid alpha={alpha!r}: must be within [0, 1].")
     if strategy not in STRATEGIES:
         raise PlanError(f"Invalid strategy={strategy!r}: must be one of {', '.join(STRATEGIES)}.")
-    model = cost if cost is not None else cost_model("flops", "muon")
+    model = cost if cost is not None else cost_model("roofline", "muon")
     costs = tuple(float(model.cost(spec)) for spec in specs)
     for spec, value in zip(specs, costs):
         if not (value >= 0.0 and math.isfinite(value)):

@@ -107,7 +107,7 @@ def plan_zero3_owners(specs: Sequence[ParamSpec], *, world_size: int, cost: Cost
         raise PlanError("Cannot plan an empty list of params.")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise PlanError(f"Invalid world_size={world_size!r}: must be a positive integer.")
-    model = cost if cost is not None else cost_model("flops", "muon")
+    model = cost if cost is not None else cost_model("roofline", "muon")
     costs = tuple(float(model.cost(spec)) for spec in specs)
     total_cost = sum(costs) or 1.0
     total_numel = sum(spec.numel for spec in specs)

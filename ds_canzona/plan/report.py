@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..cli import Command
-from .cost import CostModel, cost_model
+from .cost import COST_MODELS, DEFAULT_MACHINE_BALANCE, CostModel, cost_model
 from .dp import STRATEGIES, DPPlan, lpt_loads, plan_dp_partitions
 from .models import model_specs, shipped_models
 from .specs import ParamSpec, PlanError, shard_for_tp, specs_from_hf_config, specs_from_shapes_file
@@ -160,8 +160,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="bucket size in elements (default 5e8)",
     )
-    parser.add_argument("--cost", choices=("numel", "flops"), default="flops", help="cost model (default flops)")
-    parser.add_argument("--optimizer", choices=("muon", "shampoo", "soap"), default="muon", help="for --cost flops")
+    parser.add_argument("--cost", choices=COST_MODELS, default="roofline",
+                        help="cost model (default roofline, as the runtime)")
+    parser.add_argument("--machine-balance", type=float, default=None, metavar="B",
+                        help=f"for --cost roofline: matmul FLOPs per elementwise byte (default "
+                             f"{DEFAULT_MACHINE_BALANCE['cuda']:g}, GPUs; the CPU's is {DEFAULT_MACHINE_BALANCE['cpu']:g})")
+    parser.add_argument("--optimizer", choices=("muon", "shampoo", "soap"), default="muon",
+                        help="for --cost roofline or flops")
     parser.add_argument("--ns-method", choices=("gram", "standard"), default=None, help="Muon's Newton-Schulz variant")
     parser.add_argument("--strategy", choices=STRATEGIES, default="alpha_balanced")
     parser.add_argument(
@@ -194,7 +199,11 @@ def _cost_model(args: argparse.Namespace) -> CostModel:
     if args.cost == "numel":
         return cost_model("numel")
     options = {"ns_method": args.ns_method} if args.ns_method and args.optimizer == "muon" else {}
-    return cost_model("flops", args.optimizer, **options)
+    if args.cost == "roofline" and args.machine_balance is not None:
+        options["machine_balance"] = args.machine_balance
+    elif args.machine_balance is not None:
+        raise PlanError(f"--machine-balance applies to --cost roofline only, not {args.cost}.")
+    return cost_model(args.cost, args.optimizer, **options)
 
 
 def _count(text: str) -> int:

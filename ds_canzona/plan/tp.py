@@ -128,7 +128,7 @@ def plan_tp_micro_groups(
     for index in sharded:
         if specs[index].tp_size != tp_size:
             raise PlanError(f"Invalid tp_size={tp_size}: {specs[index].name!r} is split {specs[index].tp_size} ways.")
-    model = cost if cost is not None else cost_model("flops", "muon")
+    model = cost if cost is not None else cost_model("roofline", "muon")
     # The host computes the full update, so a task costs the whole matrix's work.
     task_cost = {index: model.cost(specs[index]) * specs[index].tp_size for index in sharded}
     task_bytes = {index: _full_numel(specs[index]) * bytes_per_element for index in sharded}
