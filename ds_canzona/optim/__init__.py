@@ -5,7 +5,7 @@ The distributed runtime and the single-process optimizers share one path::
     rule = rule_for_group(group)                    # group['kind'] in {'muon', 'shampoo', 'soap', 'adamw'}
     state = rule.init_state(param)                  # fp32 state of one whole tensor
     rule.update_(params, grads, states, lr=group['lr'])
-    rule.cost(shape)                                # the planner's FLOPs model for this kind
+    rule.cost(shape, model='flops')                 # the planner's cost model for this kind
 
 Importing this package registers the four kinds.
 """
