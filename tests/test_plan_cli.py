@@ -63,6 +63,24 @@ def test_table_output(shapes: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "rank" in out and "max/avg" in out and "uniform" in out
 
 
+def test_table_names_the_tensor_that_bounds_the_busiest_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    # Qwen3-8B's AdamW embedding (151936 x 4096) outweighs a rank's share at DP=128, not at DP=16.
+    assert main(["plan", "--model", "qwen3-8b", "--dp", "128"]) == 0
+    out = capsys.readouterr().out
+    assert "the costliest tensor alone, model.embed_tokens.weight, is 1.864 x" in out
+    assert "roofline 1.864" in out and "unconstrained LPT reaches 1.864" in out
+    assert main(["plan", "--model", "qwen3-8b", "--dp", "16"]) == 0
+    assert "costliest tensor alone" not in capsys.readouterr().out
+
+
+def test_roofline_options(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", "qwen3-0.6b", "--dp", "8", "--machine-balance", "30", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["cost_model"] == "roofline" and "machine_balance=30)" in document["cost_label"]
+    assert main(["plan", "--model", "qwen3-0.6b", "--dp", "8", "--cost", "flops", "--machine-balance", "30"]) == 2
+    assert "--machine-balance applies to --cost roofline only" in capsys.readouterr().err
+
+
 def test_model_shortcut_with_tp(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--model", "Qwen3-0.6B", "--dp", "4", "--tp", "2", "--alpha", "0.5", "--json"]) == 0
     document = json.loads(capsys.readouterr().out)

@@ -60,7 +60,6 @@ def _median_seconds(run, repeats: int, synchronize) -> float:
 def calibrate(*, matrix: int, vector: int, repeats: int = 3, threads: int | None = None) -> Calibration:
     """Time one Muon step on ``matrix`` x ``matrix`` and one AdamW step on ``vector`` elements, fp32."""
     import torch
-    from deepspeed.accelerator import get_accelerator
 
     from ..optim import rule_for_group
     from ..plan import ParamSpec, StepWork, default_machine_balance, optimizer_work
@@ -68,9 +67,10 @@ def calibrate(*, matrix: int, vector: int, repeats: int = 3, threads: int | None
 
     if matrix < 2 or vector < 1 or repeats < 1:
         raise ValueError(f"need matrix >= 2, vector >= 1, repeats >= 1; got {matrix}, {vector}, {repeats}")
-    accelerator = get_accelerator()
-    device_kind = accelerator.device_name()
-    device = torch.device(accelerator.device_name(0) if device_kind != "cpu" else "cpu")
+    # torch alone (no DeepSpeed needed): the device kinds are the names DeepSpeed's accelerators use.
+    device_kind = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device_kind)
+    synchronize = torch.cuda.synchronize if device_kind == "cuda" else (lambda: None)
     previous = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -82,8 +82,7 @@ def calibrate(*, matrix: int, vector: int, repeats: int = 3, threads: int | None
             param = (torch.randn(shape, generator=generator) * 0.02).to(device)
             grad = torch.randn(shape, generator=generator).to(device)
             state = rule.init_state(param)
-            return _median_seconds(lambda: rule.update_([param], [grad], [state], lr=1e-3), repeats,
-                                   accelerator.synchronize)
+            return _median_seconds(lambda: rule.update_([param], [grad], [state], lr=1e-3), repeats, synchronize)
 
         adamw_seconds = timed("adamw", (vector,))
         muon_seconds = timed("muon", (matrix, matrix))
@@ -115,9 +114,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from deepspeed.accelerator import get_accelerator
+    import torch
 
-    on_cpu = get_accelerator().device_name() == "cpu"
+    on_cpu = not torch.cuda.is_available()
     result = calibrate(matrix=args.matrix or (1024 if on_cpu else 4096),
                        vector=args.vector or (2**24 if on_cpu else 2**27), repeats=args.repeats,
                        threads=args.threads if on_cpu else None)

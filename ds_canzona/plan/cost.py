@@ -78,8 +78,8 @@ _EMA_ACCESSES = 3
 STATE_ELEMENT_BYTES = 4
 
 # Matmul FLOP/s over elementwise bytes/s, for the roofline model, per device kind. cpu: measured
-# on the development machine with the per-tensor rules themselves (one thread, fp32: Muon on
-# 2048 x 2048 at ~130 GFLOP/s, AdamW at ~4.5 GB/s; `python -m ds_canzona.bench calibrate`).
+# on the development machine with the per-tensor rules themselves (`python -m ds_canzona.bench
+# calibrate`, one thread, fp32: Muon at 124-142 GFLOP/s, AdamW at 3.4-4.8 GB/s, balance 28-39).
 # cuda: from H100/H200 datasheets (dense bf16 ~990 TFLOP/s; 3.35-4.8 TB/s HBM) with the matmul
 # rate derated to what Newton-Schulz-sized products reach; not measured here. Calibrate on the
 # real device and set canzona.machine_balance where it matters.
@@ -239,7 +239,8 @@ def _shampoo_work(shape: tuple[int, ...], *, precondition_frequency: int = 100,
             blocks = a_count * b_count
             products = 2 * a * a * b + 2 * a * b * b  # statistics GGᵀ and GᵀG
             products += 2 * a * a * b + 2 * a * b * b  # L^(-1/4) G R^(-1/4)
-            products += 11 * (a**3 + b**3) / precondition_frequency  # eigh and Q·diag·Qᵀ
+            # eigh, then Q·diag·Qᵀ (2k³), for each factor, every precondition_frequency steps
+            products += (_EIGH_FLOPS_COEFF + 2) * (a**3 + b**3) / precondition_frequency
             matmul += blocks * products
             elementwise += blocks * (3 * a * a + 3 * b * b + (a * a + b * b) / precondition_frequency
                                      + (ADAMW_FLOPS_PER_ELEMENT + 5) * a * b)

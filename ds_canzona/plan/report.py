@@ -57,6 +57,12 @@ def format_dp_table(plan: DPPlan, *, title: str = "") -> str:
         f"max/avg: {plan.cost_model} {plan.flops_ratio:.3f}, memory {plan.memory_ratio:.3f}, "
         f"communication {plan.comm_ratio:.3f}; unconstrained LPT reaches {lpt:.3f}"
     )
+    # When one tensor alone outweighs a rank's fair share, no whole-tensor plan can do better: say so.
+    costliest = max(range(len(plan.specs)), key=lambda i: plan.costs[i])
+    atom = plan.costs[costliest] / mean_cost if mean_cost > 0 else 0.0
+    if atom > 1.0:
+        lines.append(f"the costliest tensor alone, {plan.specs[costliest].name}, is {atom:.3f} x a rank's average: "
+                     "whole-tensor ownership cannot go below it")
     return "\n".join(lines)
 
 
