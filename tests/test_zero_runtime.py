@@ -132,6 +132,11 @@ def test_stage2_releases_gradient_buckets_and_equals_stage1_without_accumulation
                              4, timeout=300)
             for stage in (1, 2)}
     assert all(r["grad_buckets_held"] == 0 for r in runs[2])  # nothing held between steps
+    # During backward: the bucket being filled plus the reduce-scatters in flight, never all of them.
+    from ds_canzona.zero.stage12 import REDUCE_SCATTERS_IN_FLIGHT
+    for r in runs[2]:
+        assert r["buckets"] > REDUCE_SCATTERS_IN_FLIGHT + 1, r["buckets"]
+        assert 1 <= r["grad_buckets_peak"] <= REDUCE_SCATTERS_IN_FLIGHT + 1, r["grad_buckets_peak"]
     assert all(r["grad_buckets_held"] > 0 for r in runs[1])   # stage 1 keeps its buffers
     assert_params_equal(runs[1][0]["params"], runs[2][0]["params"])
     assert_params_equal(runs[2][0]["params"], single_process_replay(MUON, merged_grads(runs[2]), clip=1.0))

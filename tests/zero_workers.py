@@ -87,6 +87,17 @@ def train(rank: int, world_size: int, config: dict, steps: int, *, capture_grads
         return original_step(*args, **kwargs)
 
     zero.step = step_with_capture
+    # The most gradient buckets held at once (stage 2 allocates one on its first gradient and
+    # releases it once its reduce-scatter is done).
+    held = {"peak": 0}
+    original_grad_bucket = zero._grad_bucket
+
+    def grad_bucket_with_count(b):
+        flat = original_grad_bucket(b)
+        held["peak"] = max(held["peak"], sum(f is not None for f in zero.grad_flat))
+        return flat
+
+    zero._grad_bucket = grad_bucket_with_count
     losses = []
     around_inject: list[dict] = []
     ga = engine.gradient_accumulation_steps()
@@ -118,6 +129,8 @@ def train(rank: int, world_size: int, config: dict, steps: int, *, capture_grads
         "comm": dict(zero.comm.bytes),
         "around_inject": around_inject,
         "grad_buckets_held": sum(flat is not None for flat in zero.grad_flat),
+        "grad_buckets_peak": held["peak"],
+        "buckets": len(zero.plan.buckets),
         "master_dtypes": sorted({str(t.master.dtype) for t in zero.owned_tensors()}),
         "masters_match_params": all(torch.equal(zero.param_views[t.index], t.master.to(zero.dtype))
                                     for t in zero.owned_tensors()),

@@ -153,7 +153,9 @@ def alpha_sweep(
     specs = model_specs(model)
     rows = []
     for alpha in alphas:
-        plan = plan_dp_partitions(specs, world_size=dp, bucket_numel=bucket_numel, alpha=alpha)
+        # The study is in FLOPs (the balance table's unit), whatever the runtime's default cost model.
+        plan = plan_dp_partitions(specs, world_size=dp, bucket_numel=bucket_numel, alpha=alpha,
+                                  cost=cost_model("flops", "muon"))
         rows.append(
             SweepRow(
                 alpha=alpha, flops_ratio=plan.flops_ratio, comm_ratio=plan.comm_ratio, memory_ratio=plan.memory_ratio
@@ -330,12 +332,13 @@ def plan_speed(
     count: int = 10_000, dp: int = 1024, bucket_numel: int = 500_000_000, repeats: int = 3
 ) -> list[dict[str, Any]]:
     results = []
+    flops = cost_model("flops", "muon")
     for name, specs in (("layered qwen3-8b", layered_specs(count)), ("random shapes", random_specs(count))):
         times = []
         plan = None
         for _ in range(repeats):
             started = time.process_time()
-            plan = plan_dp_partitions(specs, world_size=dp, bucket_numel=bucket_numel)
+            plan = plan_dp_partitions(specs, world_size=dp, bucket_numel=bucket_numel, cost=flops)
             times.append(time.process_time() - started)
         assert plan is not None
         results.append(
