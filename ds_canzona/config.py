@@ -13,6 +13,8 @@ from pydantic import ConfigDict, Field, StrictBool, ValidationError, field_valid
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
+from ds_canzona.plan import DEFAULT_SPLIT_NUMEL
+
 CANZONA_SECTION = "canzona"
 
 # Optimizer names that the canzona backend builds from the config's "optimizer" section, and
@@ -50,6 +52,10 @@ class CanzonaConfig(DeepSpeedConfigModel):
     machine_balance: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     """roofline only: the device's matmul FLOP/s over its elementwise bytes/s. Default: 30 on the CPU, 150 on GPUs;
     `python -m ds_canzona.bench calibrate` measures it."""
+
+    split_numel: int | None = Field(DEFAULT_SPLIT_NUMEL, gt=0)
+    """Plan non-matrix tensors above this many elements as pieces of this size, each owned by one rank (AdamW is
+    elementwise), so a huge embedding does not bound the busiest rank. null: every tensor whole."""
 
     kernels: Literal["auto", "triton", "torch"] = "auto"
     """Matrix kernels: Triton on CUDA where the shape is supported (auto), always Triton, or the torch reference."""

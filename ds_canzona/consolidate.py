@@ -51,24 +51,31 @@ _Item = tuple[str, int, Callable[[], torch.Tensor]]
 
 def _model_items(ckpt: Checkpoint) -> list[_Item]:
     items: list[_Item] = []
-    for name in ckpt.names:
-        items.append((name, ckpt.nbytes(name), lambda name=name: ckpt.master(name)))
+    for name in ckpt.tensor_names:
+        nbytes = sum(ckpt.nbytes(item) for item in ckpt.items_of(name))
+        items.append((name, nbytes, lambda name=name: ckpt.tensor_master(name)))
     for key, tensor in (ckpt.meta.get("module_extra") or {}).items():
         items.append((key, tensor.numel() * tensor.element_size(), lambda tensor=tensor: tensor))
     for alias, name in (ckpt.meta.get("aliases") or {}).items():
-        items.append((alias, ckpt.nbytes(name), lambda name=name: ckpt.master(name)))
+        nbytes = sum(ckpt.nbytes(item) for item in ckpt.items_of(name))
+        items.append((alias, nbytes, lambda name=name: ckpt.tensor_master(name)))
     return items
 
 
 def _optimizer_items(ckpt: Checkpoint) -> list[_Item]:
     items: list[_Item] = []
-    for name in ckpt.names:
-        for key, shape in ckpt.state_shapes(name).items():
+    for name in ckpt.tensor_names:
+        pieces = ckpt.items_of(name)
+        for key, shape in ckpt.state_shapes(pieces[0]).items():
             if shape is None:
                 raise CheckpointError(f"optimizer state {name!r}[{key!r}] is not a tensor; consolidation writes "
                                       "tensors only")
-            items.append((f"{name}/{key}", ckpt.nbytes(name, key),
-                          lambda name=name, key=key: ckpt.state_tensor(name, key)))
+            if len(pieces) == 1:
+                items.append((f"{name}/{key}", ckpt.nbytes(name, key),
+                              lambda name=name, key=key: ckpt.state_tensor(name, key)))
+            else:
+                nbytes = sum(ckpt.nbytes(piece, key) for piece in pieces)
+                items.append((f"{name}/{key}", nbytes, lambda name=name, key=key: ckpt.tensor_state(name)[key]))
     return items
 
 
@@ -83,7 +90,7 @@ def optimizer_state_from_checkpoint(checkpoint: str, tag: str | None = None) -> 
     """``{param name: {state key: tensor}}`` for a single-process ``load_state_dict_by_name``."""
     ckpt = Checkpoint.open(checkpoint, tag)
     ckpt.validate()
-    return {name: ckpt.state(name) for name in ckpt.names}
+    return {name: ckpt.tensor_state(name) for name in ckpt.tensor_names}
 
 
 def _shards(items: list[_Item], max_bytes: int | None) -> list[list[_Item]]:
@@ -146,7 +153,8 @@ def _training_state(ckpt: Checkpoint) -> dict[str, Any]:
         "plan": meta.get("plan"),
         "versions": meta.get("versions"),
         "engine": meta.get("engine"),
-        "tensors": {t["name"]: {"kind": t["kind"], "group": t["group"], "shape": t["shape"]} for t in meta["tensors"]},
+        "tensors": {name: {"kind": ckpt.tensor_entry(name)["kind"], "group": ckpt.tensor_entry(name)["group"],
+                           "shape": ckpt.tensor_shape(name)} for name in ckpt.tensor_names},
         "aliases": meta.get("aliases") or {},
         "param_groups": meta["param_groups"],
         "lr_scheduler": meta.get("lr_scheduler"),

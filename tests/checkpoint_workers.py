@@ -160,6 +160,13 @@ def save_run(rank: int, world_size: int, config: dict, save_dir: str, steps: int
     return result
 
 
+def load_owned(rank: int, world_size: int, config: dict, save_dir: str) -> dict:
+    """A fresh engine's owned masters and state after loading ``save_dir``."""
+    engine = init_engine(config, seed=1)
+    engine.load_checkpoint(save_dir)
+    return owned_state(engine)
+
+
 def _try_load(engine, directory: str) -> str | None:
     from ds_canzona.zero.checkpoint import CheckpointError
 
@@ -182,8 +189,12 @@ def init_from_export(config: dict, export_dir: str):
     states = load_consolidated_optimizer(export_dir)
     with open(os.path.join(export_dir, "training_state.json")) as f:
         training = json.load(f)
-    for t in engine.optimizer.owned_tensors():
-        for key, value in states[t.name].items():
+    zero = engine.optimizer
+    for t in zero.owned_tensors():
+        tensor, start, stop = zero.plan.pieces[t.index]
+        for key, value in states[zero.names[tensor]].items():
+            if t.state[key].shape != value.shape:  # a piece: its elements of the whole tensor's state
+                value = value.reshape(-1)[start:stop]
             t.state[key].copy_(value)
     for group, saved in zip(engine.optimizer.param_groups, training["param_groups"]):
         group["lr"] = saved["lr"]

@@ -66,6 +66,7 @@ def test_makespan_command_writes_json(tmp_path):
     assert data["settings"]["machine_balance"] == 30.0  # the runtime's CPU default
     for row in data["rows"]:
         assert row["machine_balance"] == 30.0
+        assert row["split_numel"] == 2**22 // 64**2  # the runtime's piece size, scaled like the model
         for strategy in STRATEGIES:
             assert row[strategy] > 0.0
         assert row["synchronous"] >= row["ds_canzona"]

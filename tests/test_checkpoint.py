@@ -1,8 +1,9 @@
 """Checkpoints: any plan loads any other plan's checkpoint, bit for bit; crashes lose nothing.
 
-One DP=4 run (stage 2) trains 3 steps with every optimizer kind and WarmupLR and saves. Then, at
-DP=2 (stage 1, other alpha and bucket size) and DP=3 (stage 2, start-index cuts, other bucket
-size), each in one spawned run:
+One DP=4 run (stage 2, the AdamW embedding in pieces of 400 elements) trains 3 steps with every
+optimizer kind and WarmupLR and saves. Then, at DP=2 (stage 1, other alpha and bucket size, every
+tensor whole) and DP=3 (stage 2, start-index cuts, other bucket size, pieces of 500), each in one
+spawned run:
 
 * bad copies of the checkpoint (truncated, missing and mismatched shard) and a different model
   fail with a clear error on every rank, and leave the engine untouched;
@@ -23,6 +24,7 @@ hangs, make the others fail within canzona.comm_timeout_s.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 
@@ -31,7 +33,7 @@ import torch
 import torch.multiprocessing as mp
 
 from checkpoint_workers import (SCALER_STATE, ckpt_config, crash_during_save, failure_entry, hang_in_training,
-                                make_ckpt_model, make_optimizer, reshard_run, resume_then_die, save_run)
+                                load_owned, make_ckpt_model, make_optimizer, reshard_run, resume_then_die, save_run)
 from distributed import free_port, run_ranks
 from zero_workers import make_config
 
@@ -41,10 +43,12 @@ from ds_canzona.zero.checkpoint import (FORMAT, LATEST_FILE, META_FILE, Checkpoi
                                         read_meta)
 
 SAVE_STEPS = 3
+SAVE_SPLIT = 400  # the 61 x 24 embedding (tied head) is saved in 4 pieces
 RESHARD = {
     2: {"stage": 1, "alpha": 0.0, "bucket_numel": 6000},
-    3: {"stage": 2, "alpha": 0.5, "bucket_numel": 2500, "strategy": "start_index"},
+    3: {"stage": 2, "alpha": 0.5, "bucket_numel": 2500, "strategy": "start_index", "split_numel": 500},
 }
+PIECE = re.compile(r"^(?P<tensor>.+)\[(?P<start>\d+):(?P<stop>\d+)\]$")
 
 
 def merged_owned(states: list[dict]) -> dict:
@@ -53,6 +57,35 @@ def merged_owned(states: list[dict]) -> dict:
     for owned in states:
         assert not set(out) & set(owned), "a tensor is owned by two ranks"
         out.update(owned)
+    return out
+
+
+def by_tensor(items: dict) -> dict:
+    """{item name: {key: value}} per whole tensor: pieces ("name[a:b]") joined in element order.
+
+    Every tensor shaped like its master (the master, elementwise state) is flattened, so whole and
+    joined tensors compare element for element; the rest (step counters, factors) must agree
+    across the pieces of a tensor.
+    """
+    parts: dict[str, list[tuple[int, dict]]] = {}
+    for name, fields in items.items():
+        match = PIECE.match(name)
+        tensor, start = (match["tensor"], int(match["start"])) if match else (name, 0)
+        parts.setdefault(tensor, []).append((start, fields))
+    out = {}
+    for tensor, pieces in parts.items():
+        pieces.sort(key=lambda piece: piece[0])
+        joined: dict = {}
+        for _, fields in pieces:
+            shape = fields["master"].shape
+            for key, value in fields.items():
+                if torch.is_tensor(value) and value.dim() > 0 and value.shape == shape:
+                    joined.setdefault(key, []).append(value.reshape(-1))
+                elif key in joined:
+                    assert torch.equal(joined[key], value), f"{tensor}[{key}] differs between its pieces"
+                else:
+                    joined[key] = value
+        out[tensor] = {key: torch.cat(value) if isinstance(value, list) else value for key, value in joined.items()}
     return out
 
 
@@ -81,7 +114,7 @@ def workdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def saved(workdir):
     save_dir = str(workdir / "dp4")
-    results = run_ranks(save_run, 4, ckpt_config(4), save_dir, SAVE_STEPS, timeout=600)
+    results = run_ranks(save_run, 4, ckpt_config(4, split_numel=SAVE_SPLIT), save_dir, SAVE_STEPS, timeout=600)
     return save_dir, results
 
 
@@ -134,7 +167,9 @@ def resharded(saved, export, bad_copies, workdir):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_load_at_another_world_size_is_bitwise(saved, resharded, world_size):
     before, after = saved[1], resharded(world_size)
-    assert_equal_dicts(merged_owned([r["loaded"]["owned"] for r in after]), merged_owned([r["owned"] for r in before]),
+    saved_items = merged_owned([r["owned"] for r in before])
+    assert any(PIECE.match(name) for name in saved_items), "the saving run should hold pieces"
+    assert_equal_dicts(by_tensor(merged_owned([r["loaded"]["owned"] for r in after])), by_tensor(saved_items),
                        "masters and optimizer state")
     for r in after:
         loaded = r["loaded"]
@@ -192,6 +227,19 @@ def test_single_process_continues_from_the_consolidated_export(resharded, workdi
                        "single process vs DP=2")
 
 
+def test_pieces_load_from_a_whole_tensor_checkpoint(resharded, workdir):
+    """DP=2 saved every tensor whole (mid2); DP=3 with pieces of 300 reads its pieces out of them."""
+    resharded(2)  # writes mid2
+    out = str(workdir / "export_mid2_pieces")
+    consolidate_checkpoint(str(workdir / "mid2"), out, optimizer_states=True)
+    model, states = load_consolidated_model(out), load_consolidated_optimizer(out)
+    loaded = merged_owned(run_ranks(load_owned, 3, ckpt_config(3, split_numel=300), str(workdir / "mid2"),
+                                    timeout=600))
+    assert any(PIECE.match(name) for name in loaded)
+    expected = {n: {"master": model[n], **s} for n, s in states.items()}
+    assert_equal_dicts(by_tensor(loaded), by_tensor(expected), "pieces read from whole tensors")
+
+
 def test_bad_checkpoints_fail_on_every_rank(resharded, bad_copies):
     results = resharded(2)
     needles = {"truncated": "canzona_rank00001-", "missing": "canzona_rank00002-", "mismatched": "canzona_rank00003-"}
@@ -212,17 +260,21 @@ def test_bad_checkpoints_fail_on_every_rank(resharded, bad_copies):
 
 def test_consolidated_export_is_the_saved_state(saved, export):
     results = saved[1]
-    owned = merged_owned([r["owned"] for r in results])
+    owned = by_tensor(merged_owned([r["owned"] for r in results]))
     model = load_consolidated_model(export)
     module = results[0]["module"]
     assert model.keys() == module.keys()  # trained, tied alias, frozen, buffer
     for name, tensor in model.items():
-        expected = owned[name]["master"] if name in owned else module[name]
-        assert torch.equal(tensor, expected), name
+        if name in owned:  # pieces joined again, in the tensor's shape
+            assert list(tensor.shape) == list(module[name].shape), name
+            assert torch.equal(tensor.reshape(-1), owned[name]["master"].reshape(-1)), name
+        else:
+            assert torch.equal(tensor, module[name]), name
     assert torch.equal(model["lm_head.weight"], model["embed_tokens.weight"])
     states = load_consolidated_optimizer(export)
-    assert_equal_dicts(states, {n: {k: v for k, v in s.items() if k != "master"} for n, s in owned.items()},
-                       "optimizer state")
+    assert states["embed_tokens.weight"]["exp_avg"].shape == module["embed_tokens.weight"].shape
+    with_masters = {n: {"master": model[n], **s} for n, s in states.items()}
+    assert_equal_dicts(by_tensor(with_masters), owned, "optimizer state")
     kinds = {k for s in states.values() for k in s}
     assert {"momentum_buffer", "left_root.0.0", "left_basis", "exp_avg_sq"} <= kinds
     assert_equal_dicts(fp32_state_dict_from_checkpoint(saved[0]), model, "in-memory export")
@@ -270,7 +322,8 @@ def test_broken_checkpoints_name_the_file(saved, bad_copies, workdir):
     with pytest.raises(CheckpointError, match="invalid checkpoint tag"):
         Checkpoint.open(corrupt)
     meta = read_meta(os.path.join(saved[0], "dp4"))
-    shapes = {t["name"]: list(t["shape"]) for t in meta["tensors"]}
+    whole = Checkpoint.open(saved[0], "dp4")
+    shapes = {name: whole.tensor_shape(name) for name in whole.tensor_names}  # pieces joined
     shapes["layers.0.q_proj.weight"] = [25, 24]
     shapes["extra.weight"] = [3]
     del shapes["norm.weight"]

@@ -25,6 +25,9 @@ BAD_SECTIONS = [
     ({"machine_balance": -30.0}, "canzona.machine_balance"),
     ({"machine_balance": "fast"}, "canzona.machine_balance"),
     ({"cost_model": "flops", "machine_balance": 30.0}, "machine_balance applies to cost_model 'roofline' only"),
+    ({"split_numel": 0}, "canzona.split_numel"),
+    ({"split_numel": 2.5}, "canzona.split_numel"),
+    ({"split_numel": "big"}, "canzona.split_numel"),
 ]
 
 

@@ -8,6 +8,8 @@ batch, where only the order of the gradient sum differs.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -23,7 +25,11 @@ OPTIMIZERS = {
 }
 
 
+PIECE = re.compile(r"^(?P<tensor>.+)\[(?P<start>\d+):(?P<stop>\d+)\]$")
+
+
 def merged_grads(results) -> list[dict]:
+    """Each step's averaged gradients from all ranks, by item name (a piece is "name[start:stop]")."""
     steps = len(results[0]["grads"])
     merged = []
     for s in range(steps):
@@ -34,8 +40,26 @@ def merged_grads(results) -> list[dict]:
     return merged
 
 
-def single_process_replay(optimizer: dict, grads_per_step: list[dict], clip: float, model_factory=make_model) -> dict:
+def whole_grads(items: dict, shapes: dict) -> dict:
+    """Item gradients joined into whole tensors of ``shapes`` (pieces in element order)."""
+    pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for name, grad in items.items():
+        match = PIECE.match(name)
+        if match:
+            pieces.setdefault(match["tensor"], []).append((int(match["start"]), grad))
+        else:
+            pieces[name] = [(0, grad)]
+    return {name: torch.cat([g.reshape(-1) for _, g in sorted(parts, key=lambda part: part[0])]).reshape(shapes[name])
+            for name, parts in pieces.items()}
+
+
+def single_process_replay(optimizer: dict, grads_per_step: list[dict], clip: float, model_factory=make_model,
+                          split_numel: int | None = None) -> dict:
     """The single-process optimizer fed the runtime's averaged gradients, clipped the same way.
+
+    With ``split_numel`` the clipping norm is summed over the same canonical pieces of the
+    non-matrix tensors as the runtime's (``ds_canzona.plan.piece_bounds``); the update runs on
+    whole tensors.
 
     Runs with one torch thread, as the ranks do: CPU LAPACK/BLAS may block a product differently
     with another thread count, which changes the rounding, not the math.
@@ -43,13 +67,14 @@ def single_process_replay(optimizer: dict, grads_per_step: list[dict], clip: flo
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _replay(optimizer, grads_per_step, clip, model_factory)
+        return _replay(optimizer, grads_per_step, clip, model_factory, split_numel)
     finally:
         torch.set_num_threads(threads)
 
 
-def _replay(optimizer: dict, grads_per_step: list[dict], clip: float, model_factory) -> dict:
+def _replay(optimizer: dict, grads_per_step: list[dict], clip: float, model_factory, split_numel=None) -> dict:
     from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
+    from ds_canzona.plan import piece_bounds
     from ds_canzona.zero.build import translate_optimizer_params
     import ds_canzona.optim as optim
 
@@ -58,9 +83,13 @@ def _replay(optimizer: dict, grads_per_step: list[dict], clip: float, model_fact
     name = optimizer["type"].lower()
     cls = {"muon": optim.Muon, "shampoo": optim.Shampoo, "soap": optim.SOAP}[name]
     opt = cls(named, **translate_optimizer_params(name, optimizer["params"]))
+    matrix = {id(p): group["kind"] != "adamw" for group in opt.param_groups for p in group["params"]}
     for grads in grads_per_step:
+        grads = whole_grads(grads, {n: p.shape for n, p in named})
         ordered = [grads[n].clone() for n, _ in named]
-        sq = torch.stack([tensor_sq_norm(g) for g in ordered])
+        sq = torch.stack([tensor_sq_norm(g.reshape(-1)[start:stop])
+                          for (_, p), g in zip(named, ordered)
+                          for start, stop in piece_bounds(g.numel(), None if matrix[id(p)] else split_numel)])
         _, coefficient = clip_coefficient(sq, clip)
         for (_, p), g in zip(named, ordered):
             p.grad = g.mul_(coefficient) if coefficient < 1.0 else g
@@ -123,6 +152,27 @@ def test_muon_is_bitwise_the_single_process_step(runs, world_size):
         replay = single_process_replay(OPTIMIZERS["muon"], merged_grads(results), clip=1.0)
         assert_params_equal(results[0]["params"], replay)
     assert_params_equal(results_by_stage[1][0]["params"], results_by_stage[2][0]["params"])
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_non_matrix_tensors_in_pieces_are_bitwise_the_single_process_step(stage):
+    """The embedding and head (61 x 24, AdamW) in pieces of 500, 500 and 464 elements, at DP=3.
+
+    Pieces start at offsets that are not multiples of a vector width, so CPU kernels' vector and
+    tail paths meet different elements than in the whole tensor: AdamW must still agree bit for bit.
+    """
+    # The numel cost spreads the cheap AdamW pieces over the ranks (the point of this test).
+    config = make_config(3, stage=stage, optimizer=OPTIMIZERS["muon"], canzona={"split_numel": 500, "cost_model": "numel"})
+    results = run_ranks(train, 3, config, STEPS, timeout=600)
+    owned = [name for r in results for name in r["owned"]]
+    pieces = [name for name in owned if PIECE.match(name)]
+    assert sorted(pieces) == sorted(f"{t}[{a}:{b}]" for t in ("embed_tokens.weight", "lm_head.weight")
+                                    for a, b in ((0, 500), (500, 1000), (1000, 1464)))
+    owners = {name: rank for rank, r in enumerate(results) for name in r["owned"]}
+    spread = {t: {owners[p] for p in pieces if p.startswith(t)} for t in ("embed_tokens.weight", "lm_head.weight")}
+    assert any(len(ranks) > 1 for ranks in spread.values()), f"no tensor is split across ranks: {spread}"
+    replay = single_process_replay(OPTIMIZERS["muon"], merged_grads(results), clip=1.0, split_numel=500)
+    assert_params_equal(results[0]["params"], replay)
 
 
 @pytest.mark.parametrize("kind", ["shampoo", "soap"])

@@ -132,7 +132,7 @@ def train(rank: int, world_size: int, config: dict, steps: int, *, capture_grads
         "grad_buckets_peak": held["peak"],
         "buckets": len(zero.plan.buckets),
         "master_dtypes": sorted({str(t.master.dtype) for t in zero.owned_tensors()}),
-        "masters_match_params": all(torch.equal(zero.param_views[t.index], t.master.to(zero.dtype))
+        "masters_match_params": all(torch.equal(zero.item_view(t.index), t.master.to(zero.dtype))
                                     for t in zero.owned_tensors()),
     }
 

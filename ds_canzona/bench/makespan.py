@@ -14,9 +14,11 @@ update times. Here:
    thread, median of ``--repeats``.
 3. Every strategy's assignment is charged those times, per rank, at each DP size:
 
-   - ds_canzona (alpha-balanced, alpha 1, roofline cost with this machine's default balance):
+   - ds_canzona (alpha-balanced, alpha 1, roofline cost with this machine's default balance,
+     non-matrix tensors in pieces of ``DEFAULT_SPLIT_NUMEL`` scaled by 1/s^2 like the model):
      the plan the runtime computes here;
-   - ds_canzona with the FLOPs cost model (which prices AdamW's memory-bound passes as free);
+   - ds_canzona with every tensor whole (the same cost), and with whole tensors and the FLOPs
+     cost model (which prices AdamW's memory-bound passes as free);
    - start-index: equal cuts, each tensor owned by the rank holding its start (the paper's naive
      start-index ownership);
    - DeepSpeed 0.19.8's Muon: equal partitions of each param group (Muon group sorted by size),
@@ -42,10 +44,12 @@ from ..cli import Command, OneLineParser
 
 __all__ = ["MAKESPAN", "MakespanRow", "main", "makespan_study", "scaled_config", "time_shapes"]
 
-STRATEGIES = ("ds_canzona", "ds_canzona_flops", "start_index", "deepspeed_muon", "layerwise", "synchronous")
+STRATEGIES = ("ds_canzona", "ds_canzona_whole", "ds_canzona_flops", "start_index", "deepspeed_muon", "layerwise",
+              "synchronous")
 LABELS = {
     "ds_canzona": "ds_canzona",
-    "ds_canzona_flops": "ds_canzona, FLOPs cost",
+    "ds_canzona_whole": "ds_canzona, whole tensors",
+    "ds_canzona_flops": "ds_canzona, whole, FLOPs cost",
     "start_index": "start-index",
     "deepspeed_muon": "DeepSpeed Muon",
     "layerwise": "layer-wise (LPT)",
@@ -121,7 +125,9 @@ class MakespanRow:
     bucket_numel: int
     ideal: float
     machine_balance: float
+    split_numel: int
     ds_canzona: float
+    ds_canzona_whole: float
     ds_canzona_flops: float
     start_index: float
     deepspeed_muon: float
@@ -135,9 +141,9 @@ class MakespanRow:
 
 
 def makespan_study(models: Sequence[str], *, scale: int, dps: Sequence[int], bucket_numel: int | None,
-                   machine_balance: float, ns_method: str = "gram", repeats: int = 5,
+                   machine_balance: float, split_numel: int | None = None, ns_method: str = "gram", repeats: int = 5,
                    log=None) -> tuple[list[MakespanRow], dict[str, Any]]:
-    from ..plan import cost_model, plan_dp_partitions, qwen3_specs
+    from ..plan import DEFAULT_SPLIT_NUMEL, cost_model, plan_dp_partitions, qwen3_specs
     from .baselines import deepspeed_muon_loads, layerwise_loads, plan_loads, synchronous_loads
 
     cost = cost_model("roofline", "muon", machine_balance=machine_balance, ns_method=ns_method)
@@ -147,6 +153,8 @@ def makespan_study(models: Sequence[str], *, scale: int, dps: Sequence[int], buc
     for model in models:
         config = scaled_config(model, scale)
         specs = qwen3_specs(config)
+        # The runtime's piece size, scaled with the model's elements like the bucket.
+        split = split_numel or max(1, DEFAULT_SPLIT_NUMEL // (scale * scale))
         shapes = list(dict.fromkeys((tuple(spec.shape), spec.matrix) for spec in specs))
         if log:
             log(f"{model} / {scale}: hidden {config['hidden_size']}, intermediate {config['intermediate_size']}, "
@@ -159,14 +167,19 @@ def makespan_study(models: Sequence[str], *, scale: int, dps: Sequence[int], buc
         # DeepSpeed's default reduce bucket (5e8 elements), scaled with the model's elements.
         bucket = bucket_numel or max(1, 500_000_000 // (scale * scale))
         for dp in dps:
-            ours = plan_dp_partitions(specs, world_size=dp, bucket_numel=bucket, cost=cost)
+            ours = plan_dp_partitions(specs, world_size=dp, bucket_numel=bucket, cost=cost, split_numel=split)
+            # A piece is charged its share of the whole tensor's measured time, not its own: timed
+            # alone, a small piece runs faster per element on this CPU (its temporaries stay in
+            # cache), which a GPU would not repeat.
+            item_times = [times[tensor] * (stop - start) / specs[tensor].numel for tensor, start, stop in ours.pieces]
+            whole = plan_dp_partitions(specs, world_size=dp, bucket_numel=bucket, cost=cost)
             by_flops = plan_dp_partitions(specs, world_size=dp, bucket_numel=bucket, cost=flops)
             naive = plan_dp_partitions(specs, world_size=dp, bucket_numel=bucket, strategy="start_index", cost=cost)
             deepspeed, runs = deepspeed_muon_loads(specs, times, dp)
             rows.append(MakespanRow(
                 model=model, scale=scale, dp=dp, bucket_numel=bucket, ideal=sum(times) / dp,
-                machine_balance=machine_balance, ds_canzona=max(plan_loads(ours, times)),
-                ds_canzona_flops=max(plan_loads(by_flops, times)),
+                machine_balance=machine_balance, split_numel=split, ds_canzona=max(plan_loads(ours, item_times)),
+                ds_canzona_whole=max(plan_loads(whole, times)), ds_canzona_flops=max(plan_loads(by_flops, times)),
                 start_index=max(plan_loads(naive, times)),
                 deepspeed_muon=max(deepspeed), layerwise=max(layerwise_loads(costs, times, dp)),
                 synchronous=max(synchronous_loads(times, dp)), deepspeed_ns_runs=runs,
@@ -194,7 +207,7 @@ OTHERS = ("start_index", "deepspeed_muon", "layerwise", "synchronous")
 def summary(rows: Sequence[MakespanRow]) -> list[str]:
     """Whether each ds_canzona variant's busiest rank is at or below every other strategy's, cell by cell."""
     lines = []
-    for ours in ("ds_canzona", "ds_canzona_flops"):
+    for ours in ("ds_canzona", "ds_canzona_whole"):
         beaten = [(row, other) for row in rows for other in OTHERS if getattr(row, other) < getattr(row, ours)]
         cells = len({(row.model, row.dp) for row, _ in beaten})
         text = (f"{LABELS[ours]}: busiest rank at or below every other strategy's in {len(rows) - cells}/{len(rows)} "
@@ -216,7 +229,7 @@ def plot_makespan(rows: Sequence[MakespanRow], path: str) -> None:
     for axis, model in zip(axes[0], models):
         cells = [row for row in rows if row.model == model]
         dps = [row.dp for row in cells]
-        for strategy, style in zip(STRATEGIES, ("-", "--", "-.", ":", "--", "-")):
+        for strategy, style in zip(STRATEGIES, ("-", "-", "--", "-.", ":", "--", "-")):
             color = "black" if strategy == "ds_canzona" else None
             axis.plot(dps, [getattr(row, strategy) * 1e3 for row in cells], style, marker="o", markersize=3,
                       label=LABELS[strategy], color=color)
@@ -240,6 +253,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket-numel", type=lambda text: int(float(text)), default=None,
                         help="bucket in elements (default: DeepSpeed's 5e8 divided by scale^2)")
     parser.add_argument("--ns-method", choices=("gram", "standard"), default="gram")
+    parser.add_argument("--split-numel", type=int, default=None,
+                        help="piece size of non-matrix tensors (default: the runtime's, divided by scale^2)")
     parser.add_argument("--machine-balance", type=float, default=None,
                         help="roofline balance, FLOPs per byte (default: the runtime's CPU default)")
     parser.add_argument("--repeats", type=int, default=5, help="timed updates per shape (median)")
@@ -261,14 +276,16 @@ def run(args: argparse.Namespace) -> int:
     if balance <= 0:
         raise ValueError(f"--machine-balance must be > 0, got {balance}")
     rows, timings = makespan_study(models, scale=args.scale, dps=dps, bucket_numel=args.bucket_numel,
-                                   machine_balance=balance, ns_method=args.ns_method, repeats=args.repeats,
+                                   machine_balance=balance, split_numel=args.split_numel, ns_method=args.ns_method,
+                                   repeats=args.repeats,
                                    log=lambda text: print(text, file=sys.stderr))
     from .step import machine_info
 
     info = machine_info()
     print(f"Optimizer-step makespan (Muon, {args.ns_method} Newton-Schulz, fp32; AdamW for non-matrices), busiest "
           f"rank in ms, per-tensor updates timed on {info['cpu']} (one thread, median of {args.repeats}); "
-          f"ds_canzona and layer-wise plan with the roofline cost, machine balance {balance:g}.")
+          f"ds_canzona and layer-wise plan with the roofline cost, machine balance {balance:g}; ds_canzona's "
+          f"non-matrix tensors in pieces of {rows[0].split_numel if rows else '-'} elements.")
     print()
     print(makespan_markdown(rows))
     print()
@@ -279,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump({"machine": info, "settings": {"models": models, "scale": args.scale, "dp": dps,
                                                      "bucket_numel": args.bucket_numel, "ns_method": args.ns_method,
-                                                     "machine_balance": balance,
+                                                     "machine_balance": balance, "split_numel": args.split_numel,
                                                      "repeats": args.repeats},
                        "timings": timings, "rows": [asdict(row) for row in rows]}, handle, indent=1)
     if args.plot:

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..cli import Command
 from .cost import COST_MODELS, DEFAULT_MACHINE_BALANCE, CostModel, cost_model
-from .dp import STRATEGIES, DPPlan, lpt_loads, plan_dp_partitions
+from .dp import DEFAULT_SPLIT_NUMEL, STRATEGIES, DPPlan, lpt_loads, plan_dp_partitions
 from .models import model_specs, shipped_models
 from .specs import ParamSpec, PlanError, shard_for_tp, specs_from_hf_config, specs_from_shapes_file
 from .tp import DEFAULT_CAPACITY_BYTES, TPPlan, plan_tp_micro_groups
@@ -61,8 +61,10 @@ def format_dp_table(plan: DPPlan, *, title: str = "") -> str:
     costliest = max(range(len(plan.specs)), key=lambda i: plan.costs[i])
     atom = plan.costs[costliest] / mean_cost if mean_cost > 0 else 0.0
     if atom > 1.0:
-        lines.append(f"the costliest tensor alone, {plan.specs[costliest].name}, is {atom:.3f} x a rank's average: "
-                     "whole-tensor ownership cannot go below it")
+        spec = plan.specs[costliest]
+        lines.append(f"the costliest tensor alone, {spec.name}, is {atom:.3f} x a rank's average: "
+                     "whole-tensor ownership cannot go below it"
+                     + ("" if spec.matrix else " (--split-numel plans non-matrix tensors in pieces)"))
     return "\n".join(lines)
 
 
@@ -117,7 +119,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.tp > 1:
         specs = shard_for_tp(specs, args.tp)
     plan = plan_dp_partitions(
-        specs, world_size=args.dp, bucket_numel=args.bucket_numel, alpha=args.alpha, strategy=args.strategy, cost=cost
+        specs, world_size=args.dp, bucket_numel=args.bucket_numel, alpha=args.alpha, strategy=args.strategy, cost=cost,
+        split_numel=args.split_numel,
     )
     tp_plan = None
     if args.tp > 1:
@@ -175,6 +178,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="for --cost roofline or flops")
     parser.add_argument("--ns-method", choices=("gram", "standard"), default=None, help="Muon's Newton-Schulz variant")
     parser.add_argument("--strategy", choices=STRATEGIES, default="alpha_balanced")
+    parser.add_argument("--split-numel", type=_split_count, default=DEFAULT_SPLIT_NUMEL, metavar="N",
+                        help=f"plan non-matrix tensors above N elements in pieces of N (default {DEFAULT_SPLIT_NUMEL}, "
+                             "as the runtime; 0: every tensor whole)")
     parser.add_argument(
         "--tp-capacity-mb",
         type=int,
@@ -210,6 +216,11 @@ def _cost_model(args: argparse.Namespace) -> CostModel:
     elif args.machine_balance is not None:
         raise PlanError(f"--machine-balance applies to --cost roofline only, not {args.cost}.")
     return cost_model(args.cost, args.optimizer, **options)
+
+
+def _split_count(text: str) -> int | None:
+    """--split-numel: a positive element count, or 0 for whole tensors."""
+    return None if text.strip() == "0" else _count(text)
 
 
 def _count(text: str) -> int:

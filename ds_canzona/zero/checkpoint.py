@@ -8,14 +8,17 @@ Layout of ``<save_dir>/``::
                                              rank 3's fp32 masters and optimizer state, whole
                                              tensors: "master/<name>", "state/<name>/<key>"
 
-The manifest holds the format, the save id, every shard file with its size, every trained tensor
-(name, shape, optimizer kind, param group, which file holds it), the param groups' settings,
+The manifest holds the format, the save id, every shard file with its size, every saved item
+(name, shape, optimizer kind, param group, which file holds it; a piece of a non-matrix tensor,
+saved when the plan had ``split_numel``, also names its tensor, its element range and the
+tensor's shape), the param groups' settings,
 the loss scaler, the engine counters, the lr scheduler, the client state, and the module's
 buffers and frozen parameters. docs/CHECKPOINTS.md describes every field.
 
-Any plan loads it: a checkpoint saved at one world size, alpha, bucket size or stage loads into
-another, because each rank reads, lazily, only the whole tensors it owns under its own plan,
-from whichever file the manifest names.
+Any plan loads it: a checkpoint saved at one world size, alpha, bucket size, stage or
+``split_numel`` loads into another, because each rank reads, lazily, only the items it owns under
+its own plan, from whichever files the manifest names (an item saved in other pieces is put
+together from the element ranges that cover it).
 
 Crash safety: a save writes shard files under names carrying a fresh save id (each written to a
 temporary name, fsynced and renamed), agrees across ranks that every file is complete, and only
@@ -182,6 +185,7 @@ class Checkpoint:
         self._masters: dict[int, set[str]] = {}
         self._index: dict[int, dict[str, dict[str, str]]] = {}
         self._scalars: dict[int, dict[str, dict[str, Any]]] = {}
+        self._by_tensor: dict[str, list[dict[str, Any]]] | None = None
 
     @classmethod
     def open(cls, path: str, tag: Any = None) -> Checkpoint:
@@ -200,7 +204,92 @@ class Checkpoint:
 
     @property
     def names(self) -> list[str]:
+        """Saved items: whole tensors by parameter name, pieces as ``name[start:stop]``."""
         return [t["name"] for t in self.meta["tensors"]]
+
+    @property
+    def tensor_names(self) -> list[str]:
+        """The trained tensors' parameter names, in buffer order."""
+        return list(self._tensor_items())
+
+    def _tensor_items(self) -> dict[str, list[dict[str, Any]]]:
+        """Per tensor name, its saved items in element order, each with ``start`` and ``stop``."""
+        if self._by_tensor is None:
+            by_tensor: dict[str, list[dict[str, Any]]] = {}
+            for entry in self.meta["tensors"]:
+                tensor = entry.get("tensor", entry["name"])
+                numel = math.prod(entry["tensor_shape"] if "tensor_shape" in entry else entry["shape"])
+                by_tensor.setdefault(tensor, []).append(
+                    {**entry, "start": entry.get("start", 0), "stop": entry.get("stop", numel)})
+            for items in by_tensor.values():
+                items.sort(key=lambda item: item["start"])
+            self._by_tensor = by_tensor
+        return self._by_tensor
+
+    def items_of(self, tensor: str) -> list[str]:
+        """The saved item names of ``tensor``: itself, or its pieces in element order."""
+        return [item["name"] for item in self._tensor_items()[tensor]]
+
+    def tensor_shape(self, tensor: str) -> list[int]:
+        first = self._tensor_items()[tensor][0]
+        return list(first.get("tensor_shape", first["shape"]))
+
+    def tensor_entry(self, tensor: str) -> dict[str, Any]:
+        """The manifest entry of ``tensor`` (of its first item: kind and group are the same for all)."""
+        return self._tensor_items()[tensor][0]
+
+    def _covering(self, tensor: str, start: int, stop: int) -> list[dict[str, Any]]:
+        items = self._tensor_items().get(tensor)
+        if items is None:
+            raise CheckpointError(f"checkpoint {self.directory} holds no tensor {tensor!r}")
+        covering = [item for item in items if item["start"] < stop and start < item["stop"]]
+        position = start
+        for item in covering:
+            if item["start"] > position:
+                break
+            position = max(position, item["stop"])
+        if position < stop:
+            raise CheckpointError(f"checkpoint {self.directory} does not hold elements [{position}, {stop}) of "
+                                  f"{tensor!r}")
+        return covering
+
+    def read_range(self, tensor: str, start: int, stop: int, *, with_state: bool) -> tuple[torch.Tensor, dict]:
+        """Elements ``[start, stop)`` of ``tensor``'s master (1-D) and of its elementwise state.
+
+        State tensors shaped like their item are elementwise and are cut and joined like the master;
+        the others (the step counter, plain values) are the same in every piece and come from the first.
+        """
+        masters, states = [], {}
+        for number, item in enumerate(self._covering(tensor, start, stop)):
+            lo, hi = max(start, item["start"]) - item["start"], min(stop, item["stop"]) - item["start"]
+            masters.append(self.master(item["name"]).reshape(-1)[lo:hi])
+            if not with_state:
+                continue
+            for key, value in self.state(item["name"]).items():
+                if torch.is_tensor(value) and list(value.shape) == list(item["shape"]):
+                    states.setdefault(key, []).append(value.reshape(-1)[lo:hi])
+                elif number == 0:
+                    states[key] = value
+        joined = {key: torch.cat(value) if isinstance(value, list) else value for key, value in states.items()}
+        return torch.cat(masters), joined
+
+    def tensor_master(self, tensor: str) -> torch.Tensor:
+        """``tensor``'s fp32 master, whole, with its shape."""
+        shape = self.tensor_shape(tensor)
+        items = self._tensor_items()[tensor]
+        if len(items) == 1:
+            return self.master(items[0]["name"])
+        return self.read_range(tensor, 0, math.prod(shape), with_state=False)[0].reshape(shape)
+
+    def tensor_state(self, tensor: str) -> dict[str, Any]:
+        """``tensor``'s optimizer state, whole (elementwise state in the tensor's shape)."""
+        shape = self.tensor_shape(tensor)
+        items = self._tensor_items()[tensor]
+        if len(items) == 1:
+            return self.state(items[0]["name"])
+        _, state = self.read_range(tensor, 0, math.prod(shape), with_state=True)
+        return {key: value.reshape(shape) if torch.is_tensor(value) and value.dim() == 1
+                and value.numel() == math.prod(shape) else value for key, value in state.items()}
 
     def file_path(self, index: int) -> str:
         return os.path.join(self.directory, self.meta["files"][index]["name"])
@@ -305,7 +394,7 @@ class Checkpoint:
 
 def check_same_model(meta: dict, shapes: dict[str, list[int]], where: str) -> None:
     """A clear error when the checkpoint's trained tensors are not this model's (by name and shape)."""
-    theirs = {t["name"]: list(t["shape"]) for t in meta["tensors"]}
+    theirs = {t.get("tensor", t["name"]): list(t.get("tensor_shape", t["shape"])) for t in meta["tensors"]}
     if theirs == shapes:
         return
     missing = [n for n in shapes if n not in theirs]
@@ -428,9 +517,7 @@ def _build_meta(engine, zero, tag: str, client_state: dict | None, exclude_froze
                  "cost_model": plan.cost_model, "digest": plan.digest()},
         "param_dtype": str(zero.dtype).removeprefix("torch."),
         "files": [],  # set after the shards are written
-        "tensors": [{"name": name, "shape": list(p.shape), "kind": group["kind"], "group": group_index[id(group)],
-                     "file": owner}
-                    for name, p, group, owner in zip(zero.names, zero.params, zero.groups, plan.owner)],
+        "tensors": [_item_entry(zero, item, group_index) for item in range(len(plan.specs))],
         "param_groups": [_group_settings(g) for g in zero.optimizer.param_groups],
         "loss_scaler": _loss_scaler_state(zero.loss_scaler),
         "engine": {"global_steps": int(engine.global_steps), "global_samples": int(engine.global_samples),
@@ -441,6 +528,18 @@ def _build_meta(engine, zero, tag: str, client_state: dict | None, exclude_froze
         "frozen_excluded": bool(exclude_frozen),
         "aliases": aliases,
     }
+
+
+def _item_entry(zero, item: int, group_index: dict[int, int]) -> dict[str, Any]:
+    """The manifest entry of plan item ``item``: a whole tensor, or a piece that names its tensor."""
+    plan = zero.plan
+    tensor, start, stop = plan.pieces[item]
+    param, group = zero.params[tensor], zero.groups[tensor]
+    entry = {"name": plan.specs[item].name, "shape": list(plan.specs[item].shape), "kind": group["kind"],
+             "group": group_index[id(group)], "file": plan.owner[item]}
+    if stop - start != param.numel():
+        entry.update(tensor=zero.names[tensor], start=start, stop=stop, tensor_shape=list(param.shape))
+    return entry
 
 
 def _weights_only_refusal(value: Any) -> str | None:
@@ -562,19 +661,37 @@ def _check_kinds(ckpt: Checkpoint, zero) -> None:
         raise CheckpointError(f"checkpoint {ckpt.directory} has param groups of kinds {saved_groups}, this optimizer "
                               f"{groups}; pass load_optimizer_states=False to load only the weights")
     group_index = {id(g): i for i, g in enumerate(zero.optimizer.param_groups)}
-    differ = [f"{name}: saved {ckpt.entries[name]['kind']} (group {ckpt.entries[name]['group']}), now "
+    saved = {name: ckpt.tensor_entry(name) for name in zero.names}
+    differ = [f"{name}: saved {saved[name]['kind']} (group {saved[name]['group']}), now "
               f"{group['kind']} (group {group_index[id(group)]})"
               for name, group in zip(zero.names, zero.groups)
-              if (ckpt.entries[name]["kind"], ckpt.entries[name]["group"]) != (group["kind"], group_index[id(group)])]
+              if (saved[name]["kind"], saved[name]["group"]) != (group["kind"], group_index[id(group)])]
     if differ:
         raise CheckpointError(f"checkpoint {ckpt.directory} was trained with other optimizer kinds or groups for "
                               f"{len(differ)} tensors (e.g. {differ[:3]}); pass load_optimizer_states=False to load "
                               "only the weights")
 
 
-def _check_owned_reads(ckpt: Checkpoint, owned_tensors: list, with_state: bool) -> None:
-    """Every tensor this rank will copy exists in the shard the manifest names, with its shape."""
+def _saved_as_is(ckpt: Checkpoint, owned) -> bool:
+    """Whether ``owned`` was saved as the same item (a whole tensor, or the same piece)."""
+    return owned.name in ckpt.entries and list(ckpt.entries[owned.name]["shape"]) == list(owned.master.shape)
+
+
+def _check_owned_reads(ckpt: Checkpoint, owned_tensors: list, with_state: bool, zero) -> None:
+    """Every item this rank will copy exists in the shards the manifest names, with its shape."""
     for owned in owned_tensors:
+        if not _saved_as_is(ckpt, owned):
+            # Saved in other pieces (another split_numel, or whole): read the covering element
+            # ranges now, so that a gap or a missing key fails here, before anything is copied.
+            _, start, stop = zero.plan.pieces[owned.index]
+            master, state = ckpt.read_range(zero.names[owned.tensor], start, stop, with_state=with_state)
+            if master.numel() != owned.master.numel():
+                raise CheckpointError(f"{owned.name!r}: the checkpoint holds {master.numel()} of its "
+                                      f"{owned.master.numel()} elements")
+            if with_state and set(state) != set(owned.state):
+                raise CheckpointError(f"optimizer state of {owned.name!r} in {ckpt.directory} has keys "
+                                      f"{sorted(state)}, this optimizer expects {sorted(owned.state)}")
+            continue
         shape = ckpt.master_shape(owned.name)
         if shape != list(owned.master.shape):
             raise CheckpointError(f"{master_key(owned.name)!r} in {ckpt.file_path(ckpt._where(owned.name))} has shape "
@@ -593,12 +710,23 @@ def _check_owned_reads(ckpt: Checkpoint, owned_tensors: list, with_state: bool) 
 
 
 @torch.no_grad()
-def _copy_owned(ckpt: Checkpoint, owned_tensors: list, with_state: bool) -> None:
+def _copy_owned(ckpt: Checkpoint, owned_tensors: list, with_state: bool, zero) -> None:
     for owned in owned_tensors:
-        owned.master.copy_(ckpt.master(owned.name))
+        if _saved_as_is(ckpt, owned):
+            master = ckpt.master(owned.name)
+            state = ckpt.state(owned.name) if with_state else {}
+        else:
+            _, start, stop = zero.plan.pieces[owned.index]
+            master, state = ckpt.read_range(zero.names[owned.tensor], start, stop, with_state=with_state)
+            shaped = owned.master.shape
+            master = master.reshape(shaped)
+            state = {key: value.reshape(shaped) if torch.is_tensor(value) and value.dim() == 1
+                     and value.numel() == owned.master.numel() and value.shape != shaped else value
+                     for key, value in state.items()}
+        owned.master.copy_(master)
         if not with_state:
             continue
-        for key, value in ckpt.state(owned.name).items():
+        for key, value in state.items():
             current = owned.state[key]
             if torch.is_tensor(current):
                 current.copy_(value)
@@ -644,7 +772,7 @@ def load_engine_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bo
             check_same_model(ckpt.meta, {n: list(p.shape) for n, p in zip(zero.names, zero.params)}, ckpt.directory)
             if with_state:
                 _check_kinds(ckpt, zero)
-            _check_owned_reads(ckpt, zero.owned_tensors(), with_state)
+            _check_owned_reads(ckpt, zero.owned_tensors(), with_state, zero)
             current_extra, _ = _module_extra(engine, zero)
             saved_extra = ckpt.meta.get("module_extra") or {}
             missing = {k for k in set(current_extra) - set(saved_extra)
@@ -668,7 +796,7 @@ def load_engine_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bo
         return None, None
 
     try:
-        _copy_owned(ckpt, zero.owned_tensors(), with_state)
+        _copy_owned(ckpt, zero.owned_tensors(), with_state, zero)
     except Exception as caught:
         error = caught
     rows = _agree(zero, [error is None])

@@ -49,13 +49,18 @@ class PlanMismatchError(RuntimeError):
 
 @dataclass
 class OwnedTensor:
-    """What the owner rank keeps for one whole tensor: fp32 master, optimizer state, group."""
+    """What the owner rank keeps for one item (a whole tensor, or a piece of a non-matrix one).
+
+    ``index`` is the item's index in the plan, ``tensor`` its tensor's index in ``params``;
+    ``name`` is the tensor's name for a whole tensor, ``name[start:stop]`` for a piece.
+    """
 
     index: int
     name: str
     master: torch.Tensor
     state: dict
     group: dict
+    tensor: int = -1
 
 
 def _parameter_kinds(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, dict]:
@@ -131,6 +136,7 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
                                             dynamic_scaling=dynamic_loss_scale, dynamic_loss_args=dynamic_loss_args)
         self.dynamic_loss_scale = self.loss_scaler.dynamic
 
+        self._index_tensors()
         self._build_buffers()
         self._owned = self._build_owned_state()
         self._register_grad_hooks()
@@ -142,7 +148,7 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
                  for name, p, group in zip(self.names, self.params, self.groups)]
         return plan_dp_partitions(specs, world_size=self.world_size, bucket_numel=bucket_numel,
                                   alpha=self.config.alpha, strategy=self.config.strategy,
-                                  cost=self._plan_cost_model())
+                                  cost=self._plan_cost_model(), split_numel=self.config.split_numel)
 
     def _plan_cost_model(self) -> CostModel:
         name = self.config.cost_model
@@ -179,7 +185,8 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
     def plan_summary(self) -> str:
         plan = self.plan
         costs, numels = plan.rank_costs(), plan.rank_numels()
-        lines = [f"ds_canzona plan: {len(plan.buckets)} buckets, {len(plan.specs)} tensors, DP={plan.world_size}, "
+        lines = [f"ds_canzona plan: {len(plan.buckets)} buckets, {len(plan.specs)} items ({len(self.params)} tensors), "
+                 f"DP={plan.world_size}, "
                  f"strategy={plan.strategy}, alpha={plan.alpha}, cost={plan.cost_label}, "
                  f"cost max/avg={plan.flops_ratio:.3f}, memory max/avg={plan.memory_ratio:.3f}"]
         ranks = range(plan.world_size)
@@ -188,10 +195,33 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
             ranks = sorted(set(by_cost[:2] + by_cost[-2:]))
         for r in ranks:
             lines.append(f"  rank {r}: cost {costs[r]:.3e}, {numels[r]} elements, "
-                         f"{len(plan.owned_params(r))} tensors")
+                         f"{len(plan.owned_params(r))} items")
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ buffers and state
+    def _index_tensors(self) -> None:
+        """Where each tensor sits: the plan is over items, buffers and grad hooks are per tensor.
+
+        A tensor's pieces are consecutive items of one bucket, so its first item gives its bucket
+        and its offset there.
+        """
+        plan = self.plan
+        self.tensor_bucket = [0] * len(self.params)
+        self.tensor_offset = [0] * len(self.params)
+        self.bucket_tensors: list[list[int]] = [[] for _ in plan.buckets]
+        for item, (tensor, start, _) in enumerate(plan.pieces):
+            if start == 0:
+                self.tensor_bucket[tensor] = plan.bucket_of[item]
+                self.tensor_offset[tensor] = plan.offset[item]
+                self.bucket_tensors[plan.bucket_of[item]].append(tensor)
+
+    def _item_slice(self, tensor_view: torch.Tensor, item: int) -> torch.Tensor:
+        """Item ``item``'s part of its tensor's ``tensor_view``: the view itself when whole, else 1-D."""
+        _, start, stop = self.plan.pieces[item]
+        if start == 0 and stop == tensor_view.numel():
+            return tensor_view
+        return tensor_view.view(-1)[start:stop]
+
     def _build_buffers(self) -> None:
         plan = self.plan
         self.param_flat: list[torch.Tensor] = []
@@ -204,8 +234,8 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
         self.grad_views: list[torch.Tensor | None] = [None] * len(self.params)
         for bucket in plan.buckets:
             flat = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
-            for i in range(bucket.first, bucket.stop):
-                p, start = self.params[i], plan.offset[i]
+            for i in self.bucket_tensors[bucket.index]:
+                p, start = self.params[i], self.tensor_offset[i]
                 view = flat[start:start + p.numel()].view_as(p)
                 view.copy_(p.data)
                 p.data = view
@@ -224,34 +254,41 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
         if flat is None:
             bucket = self.plan.buckets[b]
             flat = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
-            for i in range(bucket.first, bucket.stop):
-                start = self.plan.offset[i]
+            for i in self.bucket_tensors[b]:
+                start = self.tensor_offset[i]
                 self.grad_views[i] = flat[start:start + self.params[i].numel()].view_as(self.params[i])
             self.grad_flat[b] = flat
         return flat
 
     def _release_grad_bucket(self, b: int) -> None:
-        bucket = self.plan.buckets[b]
         self.grad_flat[b] = None
-        for i in range(bucket.first, bucket.stop):
+        for i in self.bucket_tensors[b]:
             self.grad_views[i] = None
+
+    def item_view(self, item: int) -> torch.Tensor:
+        """The low-precision parameter elements of plan item ``item`` (a view into its bucket)."""
+        return self._item_slice(self.param_views[self.plan.pieces[item][0]], item)
 
     def _build_owned_state(self) -> list[OwnedTensor]:
         owned = []
-        for i in self.plan.owned_params(self.rank):
-            view = self.param_views[i]
+        for j in self.plan.owned_params(self.rank):
+            tensor = self.plan.pieces[j][0]
+            view = self.item_view(j)
             # fp32 models update the buffer in place; lower precision keeps an fp32 master.
             master = view if view.dtype == torch.float32 else view.detach().float().clone()
-            group = self.groups[i]
-            owned.append(OwnedTensor(index=i, name=self.names[i], master=master,
-                                     state=rule_for_group(group).init_state(master), group=group))
+            group = self.groups[tensor]
+            owned.append(OwnedTensor(index=j, name=self.plan.specs[j].name, master=master,
+                                     state=rule_for_group(group).init_state(master), group=group, tensor=tensor))
         return owned
 
-    def _segment_grad(self, i: int) -> torch.Tensor:
-        """The reduced gradient of owned tensor i inside this rank's segment buffer."""
-        b = self.plan.bucket_of[i]
-        start = self.plan.offset[i] - self.plan.buckets[b].cuts[self.rank]
-        return self.grad_segment[b][start:start + self.params[i].numel()].view_as(self.params[i])
+    def _segment_grad(self, j: int) -> torch.Tensor:
+        """The reduced gradient of owned item j inside this rank's segment buffer (shaped like its master)."""
+        b = self.plan.bucket_of[j]
+        start = self.plan.offset[j] - self.plan.buckets[b].cuts[self.rank]
+        segment = self.grad_segment[b][start:start + self.plan.specs[j].numel]
+        tensor = self.plan.pieces[j][0]
+        return segment.view_as(self.params[tensor]) if self.plan.specs[j].numel == self.params[tensor].numel() \
+            else segment
 
     # ------------------------------------------------------------------ backward
     def _register_grad_hooks(self) -> None:
@@ -260,7 +297,7 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
             self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(i)))
 
     def _make_grad_hook(self, i: int):
-        bucket = self.plan.bucket_of[i]
+        bucket = self.tensor_bucket[i]
 
         def hook(param: torch.Tensor) -> None:
             self._grad_bucket(bucket)
@@ -274,7 +311,7 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
         return hook
 
     def _reset_reduction(self) -> None:
-        self._pending = [b.stop - b.first for b in self.plan.buckets]
+        self._pending = [len(tensors) for tensors in self.bucket_tensors]
         self._next_bucket = len(self.plan.buckets) - 1
         self._handles: list = []
 
@@ -356,7 +393,7 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
         # One collective for both the overflow check and clipping: every entry is non-zero on
         # its owner only, so the all-reduced vector is exact, and its sum in buffer order is
         # the same number on every rank and at every world size.
-        sq_norms = torch.zeros(len(self.params), dtype=torch.float64, device=self.device)
+        sq_norms = torch.zeros(len(self.plan.specs), dtype=torch.float64, device=self.device)
         for t, g in zip(self._owned, grads):
             sq_norms[t.index] = tensor_sq_norm(g)
         all_reduce_sum(sq_norms, group=self.dp_process_group, counter=self.comm, kind="all_reduce")
@@ -408,8 +445,9 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
     def refresh_params_from_masters(self) -> None:
         """Write owned masters into the low-precision params and all-gather every bucket."""
         for t in self._owned:
-            if t.master is not self.param_views[t.index]:
-                self.param_views[t.index].copy_(t.master)
+            view = self.item_view(t.index)
+            if t.master is not view:
+                view.copy_(t.master)
         for b, bucket in enumerate(self.plan.buckets):
             all_gather_uneven(self.param_flat[b], bucket.cuts, self.rank, group=self.dp_process_group,
                               counter=self.comm)
