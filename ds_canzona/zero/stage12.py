@@ -2,9 +2,10 @@
 
 Numeric contract: given the same averaged gradients, every owned tensor is updated by exactly
 the per-tensor rule that the single-process ``ds_canzona.optim`` optimizers run, on the same
-fp32 values, and gradient clipping uses a norm summed in float64 in buffer order
-(``ds_canzona.optim.clipping``), so parameters after a step equal the single-process result bit
-for bit at every world size. What differs from single-process training on the whole batch is
+fp32 values, and gradient clipping uses a norm summed in float64 in buffer order, one squared
+norm per plan item (``ds_canzona.optim.clipping``), so parameters after a step equal the
+single-process result bit for bit at every world size. Items are whole tensors, and pieces of
+non-matrix tensors above ``canzona.split_numel`` (canonical: the same at every world size). What differs from single-process training on the whole batch is
 only the order in which the reduce-scatter sums the ranks' gradients.
 
 Data flow per optimizer step:
@@ -14,7 +15,8 @@ Data flow per optimizer step:
                the boundary micro-batch, and its buffer is released once that is done;
                stage 1: all buckets at the boundary, buffers kept
     step:      average, one all-reduce of per-tensor squared norms (overflow + clipping),
-               each rank updates the whole tensors it owns, then one all-gather per bucket
+               each rank updates the items it owns (whole matrices, non-matrix tensors or
+               their pieces), then one all-gather per bucket
 
 No collective runs inside the optimizer math.
 """
@@ -75,7 +77,7 @@ def _parameter_kinds(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, dic
 
 
 class CanzonaZeroOptimizer(ZeROOptimizer):
-    """DeepSpeed ZeRO stage 1/2 optimizer in which every tensor is owned whole by one rank.
+    """DeepSpeed ZeRO stage 1/2 optimizer in which every matrix is owned whole by one rank.
 
     ``optimizer`` is a ``ds_canzona.optim`` optimizer: its ``param_groups`` (with 'kind' and
     the hyper-parameters) are the ones the engine's lr scheduler edits, and its per-tensor rules
