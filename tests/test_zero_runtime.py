@@ -142,9 +142,13 @@ def test_stage2_releases_gradient_buckets_and_equals_stage1_without_accumulation
     assert_params_equal(runs[2][0]["params"], single_process_replay(MUON, merged_grads(runs[2]), clip=1.0))
 
 
-def test_bf16_keeps_fp32_masters_and_trains():
-    config = make_config(2, stage=2, optimizer=MUON, bf16={"enabled": True})
+@pytest.mark.parametrize("split_numel", [None, 500])
+def test_bf16_keeps_fp32_masters_and_trains(split_numel):
+    """With pieces too: a piece's fp32 master is a copy of its slice and is written back to it."""
+    config = make_config(2, stage=2, optimizer=MUON, bf16={"enabled": True}, canzona={"split_numel": split_numel})
     results = run_ranks(train, 2, config, 8, timeout=300)
+    if split_numel:
+        assert any("embed_tokens.weight[" in name for r in results for name in r["owned"])
     for r in results:
         assert all(p.dtype == torch.bfloat16 for p in r["params"].values())
         assert r["master_dtypes"] == ["torch.float32"] and r["masters_match_params"]
