@@ -1,12 +1,13 @@
-"""ds_canzona's checkpoint format: whole tensors keyed by parameter name, committed atomically.
+"""ds_canzona's checkpoint format: items keyed by parameter name, committed atomically.
 
 Layout of ``<save_dir>/``::
 
     latest                                   the tag of the newest committed checkpoint
     <tag>/canzona_meta.pt                    the manifest (rank 0), the commit point of the tag
     <tag>/canzona_rank00003-<save_id>.safetensors
-                                             rank 3's fp32 masters and optimizer state, whole
-                                             tensors: "master/<name>", "state/<name>/<key>"
+                                             rank 3's fp32 masters and optimizer state, per item
+                                             (a whole tensor, or a piece "<name>[start:stop]"):
+                                             "master/<item>", "state/<item>/<key>"
 
 The manifest holds the format, the save id, every shard file with its size, every saved item
 (name, shape, optimizer kind, param group, which file holds it; a piece of a non-matrix tensor,
