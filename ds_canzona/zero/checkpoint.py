@@ -45,7 +45,7 @@ import math
 import os
 import re
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -239,7 +239,8 @@ class Checkpoint:
         """The manifest entry of ``tensor`` (of its first item: kind and group are the same for all)."""
         return self._tensor_items()[tensor][0]
 
-    def _covering(self, tensor: str, start: int, stop: int) -> list[dict[str, Any]]:
+    def covering_items(self, tensor: str, start: int, stop: int) -> list[dict[str, Any]]:
+        """The saved items of ``tensor`` that hold elements ``[start, stop)``; an error on a gap."""
         items = self._tensor_items().get(tensor)
         if items is None:
             raise CheckpointError(f"checkpoint {self.directory} holds no tensor {tensor!r}")
@@ -254,14 +255,16 @@ class Checkpoint:
                                   f"{tensor!r}")
         return covering
 
-    def read_range(self, tensor: str, start: int, stop: int, *, with_state: bool) -> tuple[torch.Tensor, dict]:
-        """Elements ``[start, stop)`` of ``tensor``'s master (1-D) and of its elementwise state.
+    def read_range(self, tensor: str, start: int, stop: int, shape: Sequence[int], *,
+                   with_state: bool) -> tuple[torch.Tensor, dict]:
+        """Elements ``[start, stop)`` of ``tensor``'s master and of its elementwise state, in ``shape``.
 
-        State tensors shaped like their item are elementwise and are cut and joined like the master;
-        the others (the step counter, plain values) are the same in every piece and come from the first.
+        State tensors shaped like their saved item are elementwise and are cut and joined like the
+        master; the others (the step counter, plain values) are the same in every piece and come
+        from the first.
         """
         masters, states = [], {}
-        for number, item in enumerate(self._covering(tensor, start, stop)):
+        for number, item in enumerate(self.covering_items(tensor, start, stop)):
             lo, hi = max(start, item["start"]) - item["start"], min(stop, item["stop"]) - item["start"]
             masters.append(self.master(item["name"]).reshape(-1)[lo:hi])
             if not with_state:
@@ -271,8 +274,9 @@ class Checkpoint:
                     states.setdefault(key, []).append(value.reshape(-1)[lo:hi])
                 elif number == 0:
                     states[key] = value
-        joined = {key: torch.cat(value) if isinstance(value, list) else value for key, value in states.items()}
-        return torch.cat(masters), joined
+        joined = {key: torch.cat(value).reshape(shape) if isinstance(value, list) else value
+                  for key, value in states.items()}
+        return torch.cat(masters).reshape(shape), joined
 
     def tensor_master(self, tensor: str) -> torch.Tensor:
         """``tensor``'s fp32 master, whole, with its shape."""
@@ -280,7 +284,7 @@ class Checkpoint:
         items = self._tensor_items()[tensor]
         if len(items) == 1:
             return self.master(items[0]["name"])
-        return self.read_range(tensor, 0, math.prod(shape), with_state=False)[0].reshape(shape)
+        return self.read_range(tensor, 0, math.prod(shape), shape, with_state=False)[0]
 
     def tensor_state(self, tensor: str) -> dict[str, Any]:
         """``tensor``'s optimizer state, whole (elementwise state in the tensor's shape)."""
@@ -288,9 +292,7 @@ class Checkpoint:
         items = self._tensor_items()[tensor]
         if len(items) == 1:
             return self.state(items[0]["name"])
-        _, state = self.read_range(tensor, 0, math.prod(shape), with_state=True)
-        return {key: value.reshape(shape) if torch.is_tensor(value) and value.dim() == 1
-                and value.numel() == math.prod(shape) else value for key, value in state.items()}
+        return self.read_range(tensor, 0, math.prod(shape), shape, with_state=True)[1]
 
     def file_path(self, index: int) -> str:
         return os.path.join(self.directory, self.meta["files"][index]["name"])
@@ -682,16 +684,18 @@ def _check_owned_reads(ckpt: Checkpoint, owned_tensors: list, with_state: bool, 
     """Every item this rank will copy exists in the shards the manifest names, with its shape."""
     for owned in owned_tensors:
         if not _saved_as_is(ckpt, owned):
-            # Saved in other pieces (another split_numel, or whole): read the covering element
-            # ranges now, so that a gap or a missing key fails here, before anything is copied.
+            # Saved in other pieces (another split_numel, or whole): the items covering its
+            # element range must exist, with their shapes and state keys (file headers only).
             _, start, stop = zero.plan.pieces[owned.index]
-            master, state = ckpt.read_range(zero.names[owned.tensor], start, stop, with_state=with_state)
-            if master.numel() != owned.master.numel():
-                raise CheckpointError(f"{owned.name!r}: the checkpoint holds {master.numel()} of its "
-                                      f"{owned.master.numel()} elements")
-            if with_state and set(state) != set(owned.state):
-                raise CheckpointError(f"optimizer state of {owned.name!r} in {ckpt.directory} has keys "
-                                      f"{sorted(state)}, this optimizer expects {sorted(owned.state)}")
+            for item in ckpt.covering_items(zero.names[owned.tensor], start, stop):
+                shape = ckpt.master_shape(item["name"])
+                if shape != list(item["shape"]):
+                    raise CheckpointError(f"{master_key(item['name'])!r} has shape {shape} in "
+                                          f"{ckpt.file_path(item['file'])}, the manifest says {item['shape']}")
+                saved = ckpt.state_shapes(item["name"])
+                if with_state and set(saved) != set(owned.state):
+                    raise CheckpointError(f"optimizer state of {item['name']!r} in {ckpt.file_path(item['file'])} "
+                                          f"has keys {sorted(saved)}, this optimizer expects {sorted(owned.state)}")
             continue
         shape = ckpt.master_shape(owned.name)
         if shape != list(owned.master.shape):
@@ -718,12 +722,8 @@ def _copy_owned(ckpt: Checkpoint, owned_tensors: list, with_state: bool, zero) -
             state = ckpt.state(owned.name) if with_state else {}
         else:
             _, start, stop = zero.plan.pieces[owned.index]
-            master, state = ckpt.read_range(zero.names[owned.tensor], start, stop, with_state=with_state)
-            shaped = owned.master.shape
-            master = master.reshape(shaped)
-            state = {key: value.reshape(shaped) if torch.is_tensor(value) and value.dim() == 1
-                     and value.numel() == owned.master.numel() and value.shape != shaped else value
-                     for key, value in state.items()}
+            master, state = ckpt.read_range(zero.names[owned.tensor], start, stop, owned.master.shape,
+                                            with_state=with_state)
         owned.master.copy_(master)
         if not with_state:
             continue
