@@ -283,8 +283,8 @@ def crash_during_save(rank: int, world_size: int, config: dict, save_dir: str, o
     run_steps(engine, 3, 2, rank, world_size)
     torch.save(params(engine), os.path.join(outdir, f"step5_{rank}.pt"))
     if rank == 1:
-        import ds_canzona.zero.checkpoint as checkpoint
-        checkpoint.save_file = _die_while_writing(outdir)
+        import ds_canzona.zero.checkpoint.files as checkpoint_files
+        checkpoint_files.save_file = _die_while_writing(outdir)
     engine.save_checkpoint(save_dir, tag="last")
 
 
