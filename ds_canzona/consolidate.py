@@ -10,6 +10,9 @@ shards of a checkpoint written by ``engine.save_checkpoint`` and writes, into th
                                "<param name>/<state key>"
     training_state.json        what the checkpoint says besides tensors: kinds and param groups,
                                engine counters, lr scheduler and loss scaler state, client state
+    config.json                when the trained module was a HuggingFace model: its config (and
+    generation_config.json     generation config), so ``from_pretrained(OUT)`` loads the trained
+                               model; ``dtype`` names the exported weights' dtype (fp32)
 
 With ``--max-shard-size`` the two safetensors files are split HuggingFace-style
 (``model-00001-of-00003.safetensors`` and ``model.safetensors.index.json``).
@@ -37,6 +40,7 @@ from safetensors.torch import load_file, save_file
 
 from ds_canzona.cli import Command
 from ds_canzona.zero.checkpoint import Checkpoint, CheckpointError, atomic_write
+from ds_canzona.zero.checkpoint.hf_config import CONFIG_FILE, config_for_export
 
 __all__ = ["COMMAND", "consolidate_checkpoint", "fp32_state_dict_from_checkpoint", "load_consolidated_model",
            "load_consolidated_optimizer", "optimizer_state_from_checkpoint"]
@@ -190,10 +194,29 @@ def consolidate_checkpoint(checkpoint: str, out_dir: str, *, tag: str | None = N
     written = _write(out_dir, MODEL_STEM, model_items, max_shard_bytes, metadata)
     if optimizer_states:
         written += _write(out_dir, OPTIMIZER_STEM, optimizer_items, max_shard_bytes, metadata)
+    written += _write_hf_configs(ckpt, out_dir)
     path = os.path.join(out_dir, TRAINING_STATE)
     text = json.dumps(_training_state(ckpt), indent=1, default=_jsonable)
     atomic_write(path, _write_text(text))
     return written + [path]
+
+
+def _write_hf_configs(ckpt: Checkpoint, out_dir: str) -> list[str]:
+    """config.json (its dtype: the exported masters') and generation_config.json, when the save had them.
+
+    A config.json already in ``out_dir`` is left alone when the checkpoint has none: the user may
+    have put it there (as the command's note asks).
+    """
+    written = []
+    first = ckpt.items_of(ckpt.tensor_names[0])[0]
+    weights_dtype = str(ckpt.master(first).dtype).removeprefix("torch.")
+    for name, text in sorted((ckpt.meta.get("hf_config_files") or {}).items()):
+        if name == CONFIG_FILE:
+            text = config_for_export(text, weights_dtype)
+        path = os.path.join(out_dir, name)
+        atomic_write(path, _write_text(text))
+        written.append(path)
+    return written
 
 
 def _read_files(out_dir: str, stem: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -262,7 +285,21 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError(str(error)) from None
     for path in written:
         sys.stdout.write(f"wrote {path}\n")
+    if not any(os.path.basename(path) == CONFIG_FILE for path in written):
+        sys.stdout.write(_missing_config_note(args.out))
     return 0
+
+
+def _missing_config_note(out_dir: str) -> str:
+    existing = os.path.join(out_dir, CONFIG_FILE)
+    if os.path.isfile(existing):
+        return (f"note: the checkpoint holds no HuggingFace config; {existing} was not written from it, so check "
+                "that it describes the trained model before from_pretrained\n")
+    return (f"note: the checkpoint holds no HuggingFace config (the trained module had no HuggingFace `config`, or the checkpoint predates saving it), so {out_dir} "
+            f"has weights only. To load it with from_pretrained, add the model's {CONFIG_FILE} "
+            f"(model.config.save_pretrained({out_dir!r})); without it transformers builds its default-sized model. "
+            "Or build the model in code and load the weights with "
+            f"model.load_state_dict(ds_canzona.consolidate.load_consolidated_model({out_dir!r}))\n")
 
 
 COMMAND = Command(

@@ -9,7 +9,10 @@ moments, AdamW moments and every kind's step count. The lr follows DeepSpeed's W
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
+import logging
 import os
 import signal
 import time
@@ -144,6 +147,24 @@ def dynamic_scaler(**state):
     return scaler
 
 
+@contextlib.contextmanager
+def logged_warnings():
+    """The messages ds_canzona logs at WARNING and above inside the block."""
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    handler = Collect(logging.WARNING)
+    log = logging.getLogger("ds_canzona")
+    log.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        log.removeHandler(handler)
+
+
 # ----------------------------------------------------------------------------- runs
 
 
@@ -221,16 +242,20 @@ def reshard_run(rank: int, world_size: int, config: dict, save_dir: str, bad_dir
     out["scaler"] = {k: getattr(zero.loss_scaler, k) for k in SCALER_STATE}
     zero.loss_scaler = static
 
-    _, out["client_state"] = engine.load_checkpoint(save_dir)
+    with logged_warnings() as out["load_warnings"]:
+        _, out["client_state"] = engine.load_checkpoint(save_dir)
     out["loaded"] = snapshot(engine)
     start = engine.global_steps
     run_steps(engine, start, 2, rank, world_size)
-    engine.save_checkpoint(mid_dir, tag="mid")
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        engine.save_checkpoint(mid_dir, tag="mid")
+    out["save_printed"] = printed.getvalue()
     out["captured"] = run_steps(engine, start + 2, 3, rank, world_size, capture=True)
     out["continued"] = params(engine)
 
     same_size = init_engine(config, seed=2)
-    same_size.load_checkpoint(mid_dir)
+    with logged_warnings() as out["same_size_load_warnings"]:
+        same_size.load_checkpoint(mid_dir)
     run_steps(same_size, start + 2, 3, rank, world_size)
     out["resumed"] = params(same_size)
 
@@ -323,3 +348,55 @@ def failure_entry(rank: int, world_size: int, port: int, outdir: str, fn, args) 
         with open(os.path.join(outdir, f"rank{rank}.err"), "w") as f:
             f.write(f"{time.time()!r}\n{traceback.format_exc()}")
         raise
+
+
+# ----------------------------------------------------------------------------- HuggingFace export
+
+QWEN3_TINY = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
+              "tie_word_embeddings": True, "use_cache": False, "bos_token_id": 1, "eos_token_id": 2,
+              "pad_token_id": 0}
+
+
+def make_qwen3(seed: int = 0):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(Qwen3Config(**QWEN3_TINY))
+
+
+def qwen3_tokens(seed: int, rows: int, length: int = 16) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, QWEN3_TINY["vocab_size"], (rows, length), generator=generator)
+
+
+EVAL_SEED = 999
+
+
+@torch.no_grad()
+def eval_loss(model) -> torch.Tensor:
+    tokens = qwen3_tokens(EVAL_SEED, rows=4)
+    was_training = model.training
+    model.eval()
+    loss = model(input_ids=tokens, labels=tokens).loss.detach().clone()
+    model.train(was_training)
+    return loss
+
+
+def hf_export_run(rank: int, world_size: int, config: dict, save_dir: str, steps: int) -> dict:
+    """Train a tiny transformers Qwen3 ``steps`` steps and save; rank 0 returns the live weights and eval loss."""
+    from zero_workers import init_engine as init_plain_engine
+
+    engine = init_plain_engine(config, model=make_qwen3())
+    ga, micro_batch = engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()
+    for step in range(steps):
+        for micro in range(ga):
+            tokens = qwen3_tokens(1000 * step + 10 * micro + rank, rows=micro_batch)
+            engine.backward(engine(input_ids=tokens, labels=tokens).loss)
+            engine.step()
+    engine.save_checkpoint(save_dir, tag="hf")
+    if rank != 0:
+        return {}
+    return {"loss": eval_loss(engine.module),
+            "weights": {k: v.detach().clone() for k, v in engine.module.state_dict().items()},
+            "config": engine.module.config.to_dict()}

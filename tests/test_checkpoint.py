@@ -182,6 +182,55 @@ def test_load_at_another_world_size_is_bitwise(saved, resharded, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
+def test_a_load_at_another_global_batch_warns_once_on_rank_0(saved, resharded, world_size, workdir):
+    """Saved at DP=4 with micro-batch 2 x 2 accumulation steps (16); the same config file at 2 or 3 ranks."""
+    assert read_meta(os.path.join(saved[0], "dp4"))["batch"] == {
+        "train_batch_size": 16, "micro_batch_per_gpu": 2, "gradient_accumulation_steps": 2, "data_parallel_size": 4}
+    results = resharded(world_size)
+    warnings = [[m for m in r["load_warnings"] if "global batch" in m] for r in results]
+    assert len(warnings[0]) == 1 and not any(warnings[1:]), warnings
+    text = warnings[0][0]
+    assert ("this checkpoint was trained with a global batch of 16 samples per optimizer step (4 ranks x "
+            "micro-batch 2 x 2 accumulation steps); this run takes "
+            f"{4 * world_size} ({world_size} ranks x micro-batch 2 x 2 accumulation steps)") in text, text
+    keep = {2: "To keep 16: set train_micro_batch_size_per_gpu 2 and gradient_accumulation_steps 4 "
+               "(2 x 4 x 2 ranks = 16",
+            3: "To keep 16: 16 is not a multiple of 3 ranks, so no micro-batch and accumulation keep it at this "
+               "size: the nearest global batches are 15 and 18"}
+    assert keep[world_size] in text, text
+    assert all(not r["same_size_load_warnings"] for r in results), "same batch: no warning"
+    # one line on rank 0 says where the save went
+    mid = os.path.join(str(workdir / f"mid{world_size}"), "mid")
+    assert results[0]["save_printed"] == (f"ds_canzona: saved checkpoint 'mid' to {mid} ({world_size} shard files, "
+                                          "latest updated)\n")
+    assert all(r["save_printed"] == "" for r in results[1:])
+
+
+def test_batch_warning_text():
+    """The case a user met (8 -> 12 going from 2 to 3 ranks), the way back, and a manifest without the record."""
+    from ds_canzona.zero.checkpoint.batch import batch_change_warning, batch_record
+
+    def record(ranks, micro=4, accumulation=1):
+        return batch_record(train_batch_size=ranks * micro * accumulation, micro_batch=micro,
+                            accumulation=accumulation, ranks=ranks)
+
+    assert batch_change_warning(record(2), 2, record(3)) == (
+        "ds_canzona: this checkpoint was trained with a global batch of 8 samples per optimizer step (2 ranks x "
+        "micro-batch 4 x 1 accumulation steps); this run takes 12 (3 ranks x micro-batch 4 x 1 accumulation steps), "
+        "so every step from here on sees more data than before. To keep 8: 8 is not a multiple of 3 ranks, so no "
+        "micro-batch and accumulation keep it at this size: the nearest global batches are 6 and 9, or resume at a "
+        "world size that divides 8")
+    assert batch_change_warning(record(3), 3, record(2)).endswith(
+        "sees less data than before. To keep 12: set train_micro_batch_size_per_gpu 3 and gradient_accumulation_steps "
+        "2 (3 x 2 x 2 ranks = 12; with the HF Trainer: per_device_train_batch_size and gradient_accumulation_steps), "
+        "or set train_batch_size 12 and leave gradient_accumulation_steps out so that DeepSpeed derives it")
+    assert batch_change_warning(record(2), 2, record(4, micro=2)) is None  # same batch at another world size
+    old = batch_change_warning(None, 3, record(2))
+    assert "saved at 3 data-parallel ranks and is loaded at 2" in old and "does not record its global batch" in old
+    assert batch_change_warning(None, 2, record(2)) is None
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
 def test_continuing_equals_a_run_started_at_that_size(resharded, world_size):
     results = resharded(world_size)
     for r in results:
@@ -291,6 +340,10 @@ def test_sharded_export_and_cli(saved, export, workdir, capsys):
     assert len([f for f in files if f.startswith("model-")]) > 1
     assert_equal_dicts(load_consolidated_model(out), load_consolidated_model(export), "sharded model")
     assert_equal_dicts(load_consolidated_optimizer(out), load_consolidated_optimizer(export), "sharded optimizer")
+    # a plain torch module has no HuggingFace config: the output says what to add for from_pretrained
+    printed = capsys.readouterr().out
+    assert "config.json" not in files
+    assert "note: the checkpoint holds no HuggingFace config" in printed and "add the model's config.json" in printed
     # a second, unsharded export into the same directory replaces the shards
     assert main(["consolidate", os.path.join(saved[0], "dp4"), out]) == 0
     assert "model.safetensors" in os.listdir(out) and "model.safetensors.index.json" not in os.listdir(out)

@@ -18,10 +18,12 @@ from typing import Any
 import torch
 
 from ds_canzona.zero.checkpoint.agreement import Agreement, tag_hash
+from ds_canzona.zero.checkpoint.batch import batch_change_warning, batch_record
 from ds_canzona.zero.checkpoint.files import atomic_write, remove_stale, resolve_tag, write_bytes, write_shard
 from ds_canzona.zero.checkpoint.format import (FORMAT, LATEST_FILE, META_FILE, CheckpointError, check_same_model,
                                                check_tag, master_key, read_meta, serialize_meta, shard_header,
                                                shard_name, state_key)
+from ds_canzona.zero.checkpoint.hf_config import hf_config_files
 from ds_canzona.zero.checkpoint.reader import Checkpoint
 
 logger = logging.getLogger("ds_canzona")
@@ -92,6 +94,11 @@ def _group_settings(group: dict) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k not in ("params", "param_names")}
 
 
+def _batch(engine, zero) -> dict[str, int]:
+    return batch_record(train_batch_size=engine.train_batch_size(), micro_batch=engine.train_micro_batch_size_per_gpu(),
+                        accumulation=engine.gradient_accumulation_steps(), ranks=zero.world_size)
+
+
 def _build_meta(engine, zero, tag: str, client_state: dict | None, exclude_frozen: bool) -> dict[str, Any]:
     import deepspeed
 
@@ -118,11 +125,13 @@ def _build_meta(engine, zero, tag: str, client_state: dict | None, exclude_froze
         "loss_scaler": _loss_scaler_state(zero.loss_scaler),
         "engine": {"global_steps": int(engine.global_steps), "global_samples": int(engine.global_samples),
                    "skipped_steps": int(engine.skipped_steps)},
+        "batch": _batch(engine, zero),
         "lr_scheduler": scheduler.state_dict() if scheduler is not None and hasattr(scheduler, "state_dict") else None,
         "client_state": dict(client_state or {}),
         "module_extra": {k: _cpu_copy(v) for k, v in extra.items()},
         "frozen_excluded": bool(exclude_frozen),
         "aliases": aliases,
+        "hf_config_files": hf_config_files(engine.module),
     }
 
 
@@ -201,6 +210,10 @@ def save_engine_checkpoint(engine, save_dir, *, tag=None, client_state: dict | N
             error = caught
     rows = ranks.gather([error is None])
     ranks.check(rows, error, f"committing checkpoint {ckpt_dir}")
+    if engine.global_rank == 0:
+        # Printed, as the plan summary: DeepSpeed's ranks log at WARNING by default.
+        print(f"ds_canzona: saved checkpoint {tag!r} to {os.path.abspath(ckpt_dir)} ({zero.world_size} shard "
+              f"files{', latest updated' if save_latest else ''})", flush=True)
     return True
 
 
@@ -372,4 +385,7 @@ def load_engine_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bo
         scheduler = getattr(engine, "lr_scheduler", None)
         if load_lr_scheduler_states and scheduler is not None and meta.get("lr_scheduler") is not None:
             scheduler.load_state_dict(meta["lr_scheduler"])
+        warning = batch_change_warning(meta.get("batch"), int(meta["world_size"]), _batch(engine, zero))
+        if warning is not None and engine.global_rank == 0:
+            logger.warning(warning)
     return ckpt.directory, meta.get("client_state", {})

@@ -29,11 +29,36 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where the OS allows (Linux), else swapped back."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def file_mode() -> int:
+    """The mode an ordinary ``open(path, "w")`` gives a new file: 0o666 less the umask."""
+    return 0o666 & ~_umask()
+
+
 def atomic_write(path: str, write: Callable[[str], Any]) -> None:
-    """``write(tmp)``, fsync, then rename to ``path``: readers see the old file or the whole new one."""
+    """``write(tmp)``, fsync, then rename to ``path``: readers see the old file or the whole new one.
+
+    The file gets the ordinary umask-respecting mode, whatever ``write`` created it with:
+    safetensors' ``save_file`` (0.8) creates its file 0600, which made shards and exports private
+    while the manifest, written with ``open``, was 0644.
+    """
     tmp = f"{path}{TMP_MARK}{os.getpid()}"
     try:
         write(tmp)
+        os.chmod(tmp, file_mode())
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
