@@ -267,13 +267,21 @@ def train(args: argparse.Namespace) -> None:
     device = engine.device
 
     start_step = 0
+    # The loss of the training's first step, carried through checkpoints, so that "start" in the
+    # last line means the same after a resume (NaN until known).
+    first_loss, first_step = math.nan, 1
     if args.resume:
         path, client_state = engine.load_checkpoint(args.save_dir)
         if path is None:
             raise UsageError(f"no checkpoint to resume from in {args.save_dir}")
-        start_step = int((client_state or {}).get("step", engine.global_steps))
+        client_state = client_state or {}
+        start_step = int(client_state.get("step", engine.global_steps))
+        first_loss = float(client_state.get("first_loss", math.nan))
         if rank == 0:
-            print(f"resumed from {path} at step {start_step}", flush=True)
+            at_save = f", loss {client_state['loss']:.3f} at that step" if "loss" in client_state else ""
+            print(f"resumed from {path} at step {start_step}{at_save}", flush=True)
+    if math.isnan(first_loss):
+        first_step = start_step + 1
     if start_step >= args.steps:
         raise UsageError(f"the checkpoint is at step {start_step}, nothing to do for --steps {args.steps}")
 
@@ -283,7 +291,7 @@ def train(args: argparse.Namespace) -> None:
         progress = tqdm(total=args.steps, initial=start_step, desc="train", dynamic_ncols=True)
 
     tokens_per_step = micro_batch * ga * world * args.seq_len
-    first_loss = last_loss = math.nan
+    run_first_loss = last_loss = math.nan
     engine.train()
     for step in range(start_step, args.steps):
         started = time.perf_counter()
@@ -305,6 +313,7 @@ def train(args: argparse.Namespace) -> None:
             losses.append(float(loss.detach().float().item()))
         loss_value = mean_across_ranks(sum(losses) / len(losses))
         elapsed = time.perf_counter() - started
+        run_first_loss = loss_value if math.isnan(run_first_loss) else run_first_loss
         first_loss = loss_value if math.isnan(first_loss) else first_loss
         last_loss = loss_value
         done = step + 1
@@ -317,11 +326,19 @@ def train(args: argparse.Namespace) -> None:
             else:
                 print(f"step {done}/{args.steps} " + " ".join(f"{k} {v}" for k, v in stats.items()), flush=True)
         if args.save_dir and ((args.save_every and done % args.save_every == 0) or done == args.steps):
-            engine.save_checkpoint(args.save_dir, tag=f"step{done}", client_state={"step": done})
+            state = {"step": done, "loss": loss_value}
+            if first_step == 1:
+                state["first_loss"] = first_loss
+            engine.save_checkpoint(args.save_dir, tag=f"step{done}", client_state=state)
     if progress is not None:
         progress.close()
     if rank == 0:
-        print(f"final loss {last_loss:.3f} (start {first_loss:.3f})", flush=True)
+        line = f"final loss {last_loss:.3f} (start {first_loss:.3f}) over steps {first_step}-{args.steps}"
+        if start_step:
+            line += f", resumed at step {start_step}"
+            if first_step == 1:
+                line += f" (step {start_step + 1}: {run_first_loss:.3f})"
+        print(line, flush=True)
     # Leaving with the process group alive lets gloo's threads be torn down at interpreter exit,
     # which can abort the process ("terminate called without an active exception").
     import deepspeed.comm as dist

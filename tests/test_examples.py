@@ -104,7 +104,10 @@ def test_launcher_trains_saves_and_resumes(stage: int, tmp_path: Path):
     (resumed / "latest").write_text("step3")
     output2 = launch(TRAIN, "--deepspeed_config", config, "--steps", "6", "--save-dir", str(resumed), "--resume",
                      "--no-progress")
-    assert "resumed from" in output2
+    assert "resumed from" in output2 and "ds_canzona: saved checkpoint 'step6'" in output2
+    # "start" is still step 1's loss (kept in the checkpoint), and the line says where the run resumed
+    assert final_losses(output2)[1] == final_losses(output)[1]
+    assert re.search(r"over steps 1-6, resumed at step 3 \(step 4: \d+\.\d+\)", output2), output2[-3000:]
     steps_full = dict(STEP.findall(output))
     steps_resumed = dict(STEP.findall(output2))
     assert sorted(steps_resumed) == ["4", "5", "6"]

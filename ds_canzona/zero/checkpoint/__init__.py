@@ -40,6 +40,8 @@ The package, by seam (each importable alone, in this order of dependence):
     files.py       atomic writes, shard files, the ``latest`` pointer, leftovers of crashed saves
     reader.py      :class:`Checkpoint`: lazy, validated reads of items and element ranges
     agreement.py   the one-all-gather agreement that makes a failure on one rank an error on all
+    batch.py       the global batch a checkpoint records, and the warning when a load changes it
+    hf_config.py   the module's HuggingFace config files, carried into the consolidated export
     engine.py      engine.save_checkpoint / engine.load_checkpoint for the ZeRO-1/2 optimizer,
                    the only module that knows its buffers and plan
 """
