@@ -208,11 +208,9 @@ def _write_hf_configs(ckpt: Checkpoint, out_dir: str) -> list[str]:
     have put it there (as the command's note asks).
     """
     written = []
-    first = ckpt.items_of(ckpt.tensor_names[0])[0]
-    weights_dtype = str(ckpt.master(first).dtype).removeprefix("torch.")
     for name, text in sorted((ckpt.meta.get("hf_config_files") or {}).items()):
         if name == CONFIG_FILE:
-            text = config_for_export(text, weights_dtype)
+            text = config_for_export(text, ckpt.master_dtype(ckpt.items_of(ckpt.tensor_names[0])[0]))
         path = os.path.join(out_dir, name)
         atomic_write(path, _write_text(text))
         written.append(path)

@@ -11,6 +11,7 @@ the ordinary umask-respecting mode, not safetensors' own 0600.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -45,6 +46,11 @@ def test_consolidated_export_loads_with_from_pretrained(tmp_path, capsys):
     assert "note:" not in printed, printed
     assert {"model.safetensors", "config.json", "generation_config.json", "training_state.json"} <= set(
         os.listdir(out))
+
+    with open(os.path.join(out, "config.json")) as f:
+        settings = json.load(f)
+    # the exported masters' dtype, as save_pretrained records it ("torch_dtype" before transformers 5)
+    assert settings.get("dtype", settings.get("torch_dtype")) == "float32"
 
     expected = 0o666 & ~UMASK
     written = {**modes(save_dir), **modes(os.path.join(save_dir, "hf")), **modes(out)}

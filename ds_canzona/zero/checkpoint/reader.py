@@ -20,6 +20,8 @@ from ds_canzona.zero.checkpoint.files import resolve_tag
 from ds_canzona.zero.checkpoint.format import (DTYPE_BYTES, FORMAT, LATEST_FILE, META_FILE, CheckpointError,
                                                master_key, read_meta, state_key)
 
+_DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
 
 class Checkpoint:
     """One committed checkpoint: its manifest, and lazy, validated reads from its shard files."""
@@ -225,6 +227,12 @@ class Checkpoint:
         index = self._where(name)
         info = self._file(index).get_slice(master_key(name) if key is None else state_key(name, key))
         return math.prod(info.get_shape()) * DTYPE_BYTES.get(info.get_dtype(), 8)
+
+    def master_dtype(self, name: str) -> str:
+        """The dtype of a saved master ("float32"; "float64" for an fp64 model), from the file header."""
+        self.master_shape(name)
+        dtype = self._file(self._where(name)).get_slice(master_key(name)).get_dtype()
+        return _DTYPE_NAMES.get(dtype, dtype.lower())
 
     def state(self, name: str) -> dict[str, Any]:
         index = self._where(name)
