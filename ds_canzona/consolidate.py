@@ -293,8 +293,9 @@ def _missing_config_note(out_dir: str) -> str:
     if os.path.isfile(existing):
         return (f"note: the checkpoint holds no HuggingFace config; {existing} was not written from it, so check "
                 "that it describes the trained model before from_pretrained\n")
-    return (f"note: the checkpoint holds no HuggingFace config (the trained module had no HuggingFace `config`, or the checkpoint predates saving it), so {out_dir} "
-            f"has weights only. To load it with from_pretrained, add the model's {CONFIG_FILE} "
+    return (f"note: the checkpoint holds no HuggingFace config (the trained module had none, or the checkpoint "
+            f"predates saving it), so {out_dir} has weights only. To load it with from_pretrained, add the model's "
+            f"{CONFIG_FILE} "
             f"(model.config.save_pretrained({out_dir!r})); without it transformers builds its default-sized model. "
             "Or build the model in code and load the weights with "
             f"model.load_state_dict(ds_canzona.consolidate.load_consolidated_model({out_dir!r}))\n")
