@@ -95,9 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def find_autos(node, prefix: str = "") -> list[str]:
-    """Dotted keys holding HF's "auto" placeholder (canzona.kernels has an "auto" of its own)."""
-    if prefix == "canzona.kernels.":
-        return []
+    """Dotted keys holding HF's "auto" placeholder."""
     if isinstance(node, dict):
         return [hit for key, value in node.items() for hit in find_autos(value, f"{prefix}{key}.")]
     return [prefix.rstrip(".")] if node == "auto" else []
