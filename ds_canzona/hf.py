@@ -27,7 +27,10 @@ import copy
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # transformers is imported only when training_arguments runs
+    from transformers import TrainingArguments
 
 
 class ConfigFileError(ValueError):
@@ -167,7 +170,7 @@ def trainer_values_from_config(config: dict[str, Any], given: dict[str, Any]) ->
     return values
 
 
-def training_arguments(config: str | Path | dict[str, Any], **kwargs: Any):
+def training_arguments(config: str | Path | dict[str, Any], **kwargs: Any) -> TrainingArguments:
     """``transformers.TrainingArguments(deepspeed=config, **kwargs)`` that the Trainer accepts as it is.
 
     ``config``: a path (JSON or HJSON) or a dict, checked by ``check_trainer_config``. Each value
