@@ -317,10 +317,11 @@ def train(args: argparse.Namespace) -> None:
         if rank == 0:
             stats = dict(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step / elapsed:,.0f}",
                          opt_ms=f"{step_seconds * 1e3:.1f}")
-            if show_progress:
-                if progress is None:
-                    from tqdm import tqdm
-                    progress = tqdm(total=args.steps, initial=step, desc="train", dynamic_ncols=True)
+            if show_progress and progress is None:
+                from tqdm import tqdm
+                progress = tqdm(total=args.steps, initial=done, desc="train", dynamic_ncols=True)
+                progress.set_postfix(stats)
+            elif show_progress:
                 progress.set_postfix(stats, refresh=False)
                 progress.update(1)
             else:
