@@ -57,8 +57,9 @@ class CanzonaConfig(DeepSpeedConfigModel):
     """Plan non-matrix tensors above this many elements as pieces of this size, each owned by one rank (AdamW is
     elementwise), so a huge embedding does not bound the busiest rank. null: every tensor whole."""
 
-    kernels: Literal["auto", "triton", "torch"] = "auto"
-    """Matrix kernels: Triton on CUDA where the shape is supported (auto), always Triton, or the torch reference."""
+    kernels: Literal["default", "triton", "torch"] = "default"
+    """Matrix kernels: Triton on CUDA where the shape is supported (default), always Triton, or the torch reference.
+    Not "auto": the HuggingFace Trainer takes any "auto" in a DeepSpeed config for a placeholder it must fill."""
 
     log_plan: StrictBool = True
     """Rank 0 logs the plan summary (buckets, per-rank cost and memory, the ratios) at init."""

@@ -5,19 +5,20 @@ with ``"canzona"`` and ``"optimizer"`` sections are enough, because the Trainer 
 a placeholder optimizer whenever the config has an ``"optimizer"`` section, and DeepSpeed then
 builds it from the config (the path ds_canzona's engine hook takes over). What remains:
 
+* ``training_arguments(config, **kwargs)``: the one call that makes ``TrainingArguments`` for a
+  ds_canzona config, JSON or commented HJSON, so that the Trainer accepts it the first time. The
+  Trainer compares the optimizer values a config sets concretely (``lr``, ``betas``, ``eps``,
+  ``weight_decay``, ...) with its own arguments and stops on a mismatch; here they are taken
+  from the config. It also sets ``use_cpu`` on a machine without GPUs (``cpu_only``) and checks
+  the world size the Trainer sees (``check_world_size``).
 * ``load_ds_config``: transformers and accelerate read a config *path* with ``json.load``, so a
-  commented HJSON file fails there. Load it here and pass the dict:
-  ``TrainingArguments(deepspeed=load_ds_config("ds_configs/zero2_muon.hjson"), ...)``.
-* ``cpu_only`` and ``check_world_size``: on a machine without GPUs, transformers/accelerate only
-  see DeepSpeed's launcher ranks with ``TrainingArguments(use_cpu=True)``; without it every rank
-  believes it is the only process (world size 1): ``"train_batch_size": "auto"`` is filled with
-  the wrong value, the data is not sharded and every rank writes the checkpoint.
+  commented HJSON file fails there (DeepSpeed itself reads HJSON paths). Load it here and pass
+  the dict.
 * ``check_trainer_config``: loads a path like ``load_ds_config`` and heads off what would
-  otherwise fail late or silently (docs/USAGE.md, "Trainer traps"): ``"canzona": {"kernels":
-  "auto"}``, which accelerate takes for one of its own placeholders and rejects (the key is
-  dropped: "auto" is its default); a ``canzona`` section without an ``"optimizer"`` section (the
-  Trainer would then build torch's AdamW, which ds_canzona refuses); optimizer offload (not
-  supported with ``canzona``).
+  otherwise fail late or silently (docs/USAGE.md, "Trainer traps"): a ``canzona`` section without
+  an ``"optimizer"`` section (the Trainer would then build torch's AdamW, which ds_canzona
+  refuses); optimizer offload (not supported with ``canzona``); ``"kernels": "auto"``, which the
+  Trainer would take for one of its placeholders (the value is ``"default"``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ import copy
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # transformers is imported only when training_arguments runs
+    from transformers import TrainingArguments
 
 
 class ConfigFileError(ValueError):
@@ -82,9 +86,10 @@ def check_trainer_config(config: str | Path | dict[str, Any]) -> dict[str, Any]:
     config = load_ds_config(config) if not isinstance(config, dict) else copy.deepcopy(config)
     canzona = config.get("canzona")
     if isinstance(canzona, dict) and canzona.get("kernels") == "auto":
-        # accelerate treats every "auto" value in the config as a placeholder it must fill and
-        # raises for one it does not know; "auto" is canzona.kernels' default, so drop the key.
-        del canzona["kernels"]
+        # Without this, accelerate stops with "canzona.kernels not found in kwargs": it takes every
+        # "auto" in the config for a placeholder of its own.
+        raise ConfigFileError("'canzona.kernels': write \"default\" (Triton on CUDA where supported), not \"auto\", "
+                              "which the HuggingFace Trainer takes for a placeholder of its own")
     enabled = isinstance(canzona, dict) and canzona.get("enabled", True) is not False
     if enabled:
         if "optimizer" not in config:
@@ -116,4 +121,74 @@ def check_world_size(training_args: Any) -> None:
                            f"{launched} processes{hint}")
 
 
-__all__ = ["ConfigFileError", "load_ds_config", "check_trainer_config", "cpu_only", "check_world_size"]
+# What the Trainer compares between the DeepSpeed config and TrainingArguments, and stops on when
+# they differ (transformers' HfTrainerDeepSpeedConfig.trainer_config_process): a dotted config key
+# and the TrainingArguments fields holding the same value.
+TRAINER_MATCHED_KEYS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("train_micro_batch_size_per_gpu", ("per_device_train_batch_size",)),
+    ("gradient_accumulation_steps", ("gradient_accumulation_steps",)),
+    ("gradient_clipping", ("max_grad_norm",)),
+    ("optimizer.params.lr", ("learning_rate",)),
+    ("optimizer.params.betas", ("adam_beta1", "adam_beta2")),
+    ("optimizer.params.eps", ("adam_epsilon",)),
+    ("optimizer.params.weight_decay", ("weight_decay",)),
+    ("fp16.enabled", ("fp16",)),
+    ("bf16.enabled", ("bf16",)),
+)
+
+
+def _config_value(config: dict[str, Any], dotted: str) -> Any:
+    node: Any = config
+    for key in dotted.split("."):
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+def trainer_values_from_config(config: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """The TrainingArguments values the config fixes, for the fields ``given`` leaves open.
+
+    A value the config sets concretely (not ``"auto"``, not absent) is what the Trainer will insist
+    on; a field in ``given`` that says otherwise is a ConfigFileError naming both.
+    """
+    values: dict[str, Any] = {}
+    for dotted, fields in TRAINER_MATCHED_KEYS:
+        value = _config_value(config, dotted)
+        if value is None or value == "auto":
+            continue
+        if len(fields) > 1 and (not isinstance(value, (list, tuple)) or len(value) != len(fields)):
+            raise ConfigFileError(f"'{dotted}' must be a list of {len(fields)} values, got {value!r}")
+        wanted = dict(zip(fields, value)) if len(fields) > 1 else {fields[0]: value}
+        for field, field_value in wanted.items():
+            if field in given and given[field] != field_value:
+                raise ConfigFileError(f"TrainingArguments({field}={given[field]!r}) disagrees with the DeepSpeed "
+                                      f"config's '{dotted}': {value!r}; drop one of them or write \"auto\" in "
+                                      "the config")
+            if field not in given:
+                values[field] = field_value
+    return values
+
+
+def training_arguments(config: str | Path | dict[str, Any], **kwargs: Any) -> TrainingArguments:
+    """``transformers.TrainingArguments(deepspeed=config, **kwargs)`` that the Trainer accepts as it is.
+
+    ``config``: a path (JSON or HJSON) or a dict, checked by ``check_trainer_config``. Each value
+    the Trainer compares with its own arguments and that the config sets concretely becomes the
+    TrainingArguments value (``learning_rate`` from ``optimizer.params.lr``, ``adam_beta1/2`` from
+    ``betas``, ``weight_decay``, ``adam_epsilon``, ``max_grad_norm``, the batch and precision
+    keys), unless ``kwargs`` set it too: then the two must agree. Where the config says ``"auto"``
+    the Trainer fills it from ``kwargs`` or its defaults. ``use_cpu`` defaults to ``cpu_only()``, and
+    ``check_world_size`` runs on the result.
+    """
+    from transformers import TrainingArguments
+
+    checked = check_trainer_config(config)
+    kwargs.setdefault("use_cpu", cpu_only())
+    arguments = TrainingArguments(deepspeed=checked, **kwargs, **trainer_values_from_config(checked, kwargs))
+    check_world_size(arguments)
+    return arguments
+
+
+__all__ = ["ConfigFileError", "TRAINER_MATCHED_KEYS", "check_trainer_config", "check_world_size", "cpu_only",
+           "load_ds_config", "trainer_values_from_config", "training_arguments"]

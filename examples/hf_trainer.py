@@ -1,20 +1,24 @@
 """Train the tiny Qwen3 with HuggingFace's Trainer, DeepSpeed ZeRO-2 and ds_canzona's Muon.
 
-A stock Trainer script; the only ds_canzona-specific line is ``import ds_canzona``, which makes
-DeepSpeed build the optimizer named in the config's ``"optimizer"`` section through ds_canzona::
+A stock Trainer script with two ds_canzona lines: ``import ds_canzona``, which makes DeepSpeed
+build the optimizer named in the config's ``"optimizer"`` section through ds_canzona, and
+``ds_canzona.hf.training_arguments(config, ...)`` in place of ``TrainingArguments(deepspeed=config,
+...)``::
 
-    LOCAL_SIZE=2 deepspeed --num_gpus 2 examples/hf_trainer.py --deepspeed ds_configs/zero2_muon.json
+    deepspeed --num_gpus 2 examples/hf_trainer.py --deepspeed ds_configs/zero2_muon.json
     # then, continuing from the last checkpoint up to 40 steps:
-    LOCAL_SIZE=2 deepspeed --num_gpus 2 examples/hf_trainer.py --deepspeed ds_configs/zero2_muon.json \\
-        --steps 40 --resume
+    deepspeed --num_gpus 2 examples/hf_trainer.py --deepspeed ds_configs/zero2_muon.json --steps 40 --resume
+    # the launcher's commented HJSON configs work as they are:
+    deepspeed --num_gpus 2 examples/hf_trainer.py --deepspeed ds_configs/zero2_muon.hjson
 
-(``LOCAL_SIZE`` only on a CPU-only machine: DeepSpeed's CPU accelerator counts devices from it.)
-The config may be JSON or commented HJSON: ``ds_canzona.hf.check_trainer_config`` loads it into a
-dict (transformers reads config paths with ``json.load``) and refuses combinations that would
+``training_arguments`` loads JSON or HJSON (transformers reads config paths with ``json.load``),
+takes the optimizer values the config sets concretely (the Trainer stops when its own arguments
+differ), sets ``use_cpu`` on a machine without GPUs, and refuses combinations that would
 otherwise fail late or silently (see docs/USAGE.md, "Trainer traps").
 
-``--learning-rate`` is the Muon learning rate (the config's ``"lr": "auto"``); the auxiliary
-AdamW's is the config's ``adam_lr``. The final line is ``final loss X.XXX (start Y.YYY)``.
+``--learning-rate`` is the Muon learning rate where the config says ``"lr": "auto"`` (the JSON
+config); the auxiliary AdamW's is the config's ``adam_lr``. The final line is
+``final loss X.XXX (start Y.YYY)``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PROG = "hf_trainer.py"
+AUTO_DEFAULTS = {"learning_rate": 0.02, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,9 +45,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-steps", type=int, default=10)
     parser.add_argument("--resume", nargs="?", const=True, default=None,
                         help="resume from the last checkpoint in --output-dir, or from the given checkpoint")
-    parser.add_argument("--learning-rate", type=float, default=0.02)
-    parser.add_argument("--batch-size", type=int, default=4, help="per_device_train_batch_size")
-    parser.add_argument("--grad-accum", type=int, default=1)
+    # These three default to the config's values; where it says "auto", to the value in brackets.
+    parser.add_argument("--learning-rate", type=float, default=None, help="the Muon learning rate (0.02)")
+    parser.add_argument("--batch-size", type=int, default=None, help="per_device_train_batch_size (4)")
+    parser.add_argument("--grad-accum", type=int, default=None, help="gradient_accumulation_steps (1)")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bf16", action="store_true")
@@ -62,10 +68,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import ds_canzona  # noqa: F401  (registers the DeepSpeed engine hook: the one ds_canzona line)
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM, Trainer, TrainingArguments
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Trainer
 
     from ds_canzona.data_utils import BlockDataset, load_corpus, token_blocks
-    from ds_canzona.hf import ConfigFileError, check_trainer_config, check_world_size, cpu_only
+    from ds_canzona.hf import ConfigFileError, check_trainer_config, trainer_values_from_config, training_arguments
 
     try:
         ds_config = check_trainer_config(args.deepspeed)
@@ -82,27 +88,34 @@ def main(argv: list[str] | None = None) -> int:
     model = Qwen3ForCausalLM(Qwen3Config(**model_config))
     dataset = BlockDataset(token_blocks(text, args.seq_len))
 
-    training_args = TrainingArguments(
-        output_dir=args.output_dir,
-        deepspeed=ds_config,
-        max_steps=args.steps,
-        per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=args.grad_accum,
-        learning_rate=args.learning_rate,
-        lr_scheduler_type="constant",
-        max_grad_norm=1.0,
-        bf16=args.bf16,
-        logging_steps=1,
-        save_strategy="steps",
-        save_steps=args.save_steps,
-        seed=args.seed,
-        data_seed=args.seed,
-        dataloader_drop_last=True,
-        report_to="none",
-        disable_tqdm=os.environ.get("RANK", "0") != "0",
-        use_cpu=cpu_only(),  # on the CPU, without it every rank thinks it is alone (docs/USAGE.md)
-    )
-    check_world_size(training_args)
+    # What the command line chose; where neither it nor the config says (the config's "auto"), this
+    # script's defaults. training_arguments takes the rest from the config.
+    chosen = {field: value for field, value in (("learning_rate", args.learning_rate),
+                                                ("per_device_train_batch_size", args.batch_size),
+                                                ("gradient_accumulation_steps", args.grad_accum),
+                                                ("bf16", True if args.bf16 else None)) if value is not None}
+    from_config = trainer_values_from_config(ds_config, {})
+    for field, value in AUTO_DEFAULTS.items():
+        if field not in chosen and field not in from_config:
+            chosen[field] = value
+    try:
+        training_args = training_arguments(
+            ds_config,
+            **chosen,
+            output_dir=args.output_dir,
+            max_steps=args.steps,
+            lr_scheduler_type="constant",
+            logging_steps=1,
+            save_strategy="steps",
+            save_steps=args.save_steps,
+            seed=args.seed,
+            data_seed=args.seed,
+            dataloader_drop_last=True,
+            report_to="none",
+            disable_tqdm=os.environ.get("RANK", "0") != "0",
+        )
+    except ConfigFileError as error:
+        fail(str(error))
     trainer = Trainer(model=model, args=training_args, train_dataset=dataset)
     trainer.train(resume_from_checkpoint=args.resume)
 

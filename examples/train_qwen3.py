@@ -95,9 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def find_autos(node, prefix: str = "") -> list[str]:
-    """Dotted keys holding HF's "auto" placeholder (canzona.kernels has an "auto" of its own)."""
-    if prefix == "canzona.kernels.":
-        return []
+    """Dotted keys holding HF's "auto" placeholder."""
     if isinstance(node, dict):
         return [hit for key, value in node.items() for hit in find_autos(value, f"{prefix}{key}.")]
     return [prefix.rstrip(".")] if node == "auto" else []
@@ -231,14 +229,22 @@ def single_process_env() -> None:
 
 
 def show_canzona_log() -> None:
-    """Show ds_canzona's INFO messages (e.g. which kernel backend runs); the plan summary prints itself."""
+    """Show ds_canzona's INFO messages (which kernel backend runs) on rank 0; the plan summary prints itself.
+
+    Every rank chooses the same kernels, so one copy is enough. They are chosen at the first
+    optimizer step, which runs before the progress bar is drawn; a later message goes above the bar.
+    """
     import logging
 
+    from tqdm import tqdm
+
+    class AboveTheBar(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            tqdm.write(self.format(record), file=sys.stdout)
+
     log = logging.getLogger("ds_canzona")
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("[ds_canzona] %(message)s"))
-        log.addHandler(handler)
+    if _rank0() and not log.handlers:
+        log.addHandler(AboveTheBar())
         log.setLevel(logging.INFO)
 
 
@@ -285,10 +291,10 @@ def train(args: argparse.Namespace) -> None:
     if start_step >= args.steps:
         raise UsageError(f"the checkpoint is at step {start_step}, nothing to do for --steps {args.steps}")
 
+    # The bar is drawn after the first step, so that what the first step prints (which kernels
+    # run) comes before it rather than through it.
     progress = None
-    if rank == 0 and not args.no_progress:
-        from tqdm import tqdm
-        progress = tqdm(total=args.steps, initial=start_step, desc="train", dynamic_ncols=True)
+    show_progress = rank == 0 and not args.no_progress
 
     tokens_per_step = micro_batch * ga * world * args.seq_len
     run_first_loss = last_loss = math.nan
@@ -320,7 +326,11 @@ def train(args: argparse.Namespace) -> None:
         if rank == 0:
             stats = dict(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step / elapsed:,.0f}",
                          opt_ms=f"{step_seconds * 1e3:.1f}")
-            if progress is not None:
+            if show_progress and progress is None:
+                from tqdm import tqdm
+                progress = tqdm(total=args.steps, initial=done, desc="train", dynamic_ncols=True)
+                progress.set_postfix(stats)
+            elif show_progress:
                 progress.set_postfix(stats, refresh=False)
                 progress.update(1)
             else:

@@ -1,10 +1,14 @@
-"""Which implementation runs: ``auto`` (default), ``triton`` or ``torch``.
+"""Which implementation runs: ``default``, ``triton`` or ``torch``.
 
-* ``auto``: the Triton kernel when Triton is importable, every tensor is on CUDA and the shape and
+* ``default``: the Triton kernel when Triton is importable, every tensor is on CUDA and the shape and
   dtypes are supported; the torch reference otherwise (CPU tensors, float64, empty inputs, ...).
 * ``triton``: always the kernel; an input it cannot take is an error, not a silent fallback.
   Under ``TRITON_INTERPRET=1`` the kernels take CPU tensors (this is how the tests run them).
 * ``torch``: always the reference.
+
+``auto``, the former name of ``default``, is still accepted here (``set_backend``, the environment
+variable) but not in a config's ``canzona`` section: the HuggingFace Trainer takes every ``"auto"``
+value in a DeepSpeed config for a placeholder of its own and stops on one it cannot fill.
 
 Set it with ``set_backend(name)`` or the environment variable ``DS_CANZONA_KERNELS`` (read when
 this module is imported). Each (operation, implementation, reason) choice is logged once at INFO
@@ -30,7 +34,8 @@ from ds_canzona.kernels._common import (
 
 __all__ = ["BACKENDS", "ENV_VAR", "choose", "get_backend", "set_backend"]
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("default", "triton", "torch")
+ALIASES = {"auto": "default"}
 ENV_VAR = "DS_CANZONA_KERNELS"
 
 logger = logging.getLogger("ds_canzona.kernels")
@@ -41,22 +46,23 @@ _logged: set[tuple[str, str, str]] = set()
 
 def _validate(name: str, source: str) -> str:
     value = str(name).strip().lower()
+    value = ALIASES.get(value, value)
     if value not in BACKENDS:
         raise ValueError(f"Invalid {source}={name!r}. Must be one of {', '.join(BACKENDS)}.")
     return value
 
 
-_backend = _validate(os.environ.get(ENV_VAR, "auto") or "auto", ENV_VAR)
+_backend = _validate(os.environ.get(ENV_VAR, "default") or "default", ENV_VAR)
 
 
 def set_backend(name: str) -> None:
-    """Select ``'auto'``, ``'triton'`` or ``'torch'`` for every kernel call from now on."""
+    """Select ``'default'``, ``'triton'`` or ``'torch'`` for every kernel call from now on (``'auto'``: default)."""
     global _backend
     _backend = _validate(name, "kernels backend")
 
 
 def get_backend() -> str:
-    """The selected backend name (``'auto'`` unless set)."""
+    """The selected backend name (``'default'`` unless set)."""
     return _backend
 
 
@@ -103,8 +109,8 @@ def choose(op: str, kernel: object, *tensors: torch.Tensor, square: int | None =
             raise ValueError(f"kernels backend 'triton' cannot run {op}: {refusal}")
         if refusal is not None:
             use, reason = False, refusal
-        elif backend == "auto" and is_interpreted(kernel):
-            use, reason = False, "auto takes Triton on CUDA only; the interpreter runs when 'triton' is forced"
+        elif backend == "default" and is_interpreted(kernel):
+            use, reason = False, "'default' takes Triton on CUDA only; the interpreter runs when 'triton' is forced"
         else:
             use, reason = True, f"backend {backend!r}" + (" under the interpreter" if is_interpreted(kernel) else "")
     key = (op, "triton" if use else "torch", reason)

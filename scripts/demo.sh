@@ -8,10 +8,9 @@ bash scripts/setup.sh
 
 echo
 echo "== The plan for Qwen3-32B at DP=32 (ds-canzona plan --model qwen3-32b --dp 32) =="
-ds-canzona plan --model qwen3-32b --dp 32 | tail -n 6
+ds-canzona plan --model qwen3-32b --dp 32
 
 echo
 echo "== Training a tiny Qwen3 on 2 ranks: deepspeed --num_gpus 2 examples/train_qwen3.py =="
-export LOCAL_SIZE=2   # DeepSpeed's CPU accelerator counts its devices from this
 deepspeed --num_gpus 2 examples/train_qwen3.py --deepspeed_config ds_configs/zero2_muon.hjson \
   --steps "${DEMO_STEPS:-30}" --save-dir "${DEMO_SAVE_DIR:-out/demo}" --save-every 10

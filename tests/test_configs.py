@@ -36,9 +36,7 @@ def is_trainer_config(path: Path) -> bool:
 
 
 def find_autos(node, prefix: str = "") -> list[str]:
-    """Dotted keys whose value is "auto" (HF's placeholder), except canzona.kernels' own "auto"."""
-    if prefix == "canzona.kernels.":
-        return []
+    """Dotted keys whose value is "auto" (HF's placeholder)."""
     if isinstance(node, dict):
         return [hit for key, value in node.items() for hit in find_autos(value, f"{prefix}{key}.")]
     if isinstance(node, list):
@@ -103,8 +101,6 @@ def test_config_loads_and_validates(path: Path):
 
     config = resolved_config(path, world_size=1)
     assert find_autos(config) == []
-    if is_trainer_config(path):
-        assert (config.get("canzona") or {}).get("kernels") != "auto", "accelerate refuses any 'auto' it cannot fill"
     canzona = parse_canzona_section(config)
     assert canzona is not None, "every shipped config enables ds_canzona"
     ds_config = DeepSpeedConfig(copy.deepcopy(config))
@@ -193,11 +189,11 @@ def test_check_trainer_config():
     from ds_canzona.hf import ConfigFileError, check_trainer_config
 
     base = {"zero_optimization": {"stage": 2}, "optimizer": {"type": "Muon"},
-            "canzona": {"kernels": "auto", "alpha": 0.5}}
+            "canzona": {"kernels": "default", "alpha": 0.5}}
     checked = check_trainer_config(base)
-    assert checked["canzona"] == {"alpha": 0.5}, "kernels 'auto' would be taken for accelerate's placeholder"
-    assert base["canzona"]["kernels"] == "auto", "the caller's dict is not modified"
-    assert check_trainer_config({**base, "canzona": {"kernels": "torch"}})["canzona"] == {"kernels": "torch"}
+    assert checked == base and checked is not base and checked["canzona"] is not base["canzona"]
+    with pytest.raises(ConfigFileError, match="'canzona.kernels': write \"default\""):
+        check_trainer_config({**base, "canzona": {"kernels": "auto"}})
     with pytest.raises(ConfigFileError, match="needs an 'optimizer' section"):
         check_trainer_config({"zero_optimization": {"stage": 2}, "canzona": {}})
     offload = {**base, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
@@ -205,5 +201,4 @@ def test_check_trainer_config():
         check_trainer_config(offload)
     disabled = {"zero_optimization": {"stage": 2}, "canzona": {"enabled": False}}
     assert check_trainer_config(disabled) == disabled
-    trainer_file = check_trainer_config(CONFIG_DIR / "zero2_muon.hjson")
-    assert "kernels" not in trainer_file["canzona"]
+    assert check_trainer_config(CONFIG_DIR / "zero2_muon.hjson")["canzona"]["kernels"] == "default"

@@ -34,7 +34,9 @@ STEP = re.compile(r"^step (\d+)/\d+ loss (\S+)", re.MULTILINE)
 
 
 def run(cmd: list[str], timeout: float, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, LOCAL_SIZE="2", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env_extra or {}))
+    # No LOCAL_SIZE: DeepSpeed's launcher sets it for each rank (docs/USAGE.md).
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env_extra or {}))
+    env.pop("LOCAL_SIZE", None)
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:

@@ -27,7 +27,7 @@ COEFFS = (3.4445, -4.7750, 2.0315)
 @pytest.fixture(autouse=True)
 def _auto_backend():
     before = K.get_backend()
-    K.set_backend("auto")
+    K.set_backend("default")
     yield
     K.set_backend(before)
 
@@ -136,7 +136,7 @@ def test_triangular_tile_map_formula() -> None:
 # --- dispatch --------------------------------------------------------------------------------------
 
 
-def test_auto_uses_the_reference_on_the_cpu_and_logs_once(caplog: pytest.LogCaptureFixture) -> None:
+def test_default_uses_the_reference_on_the_cpu_and_logs_once(caplog: pytest.LogCaptureFixture) -> None:
     dispatch._logged.clear()
     x = torch.randn(8, 5)
     with caplog.at_level(logging.INFO, logger="ds_canzona.kernels"):
@@ -148,9 +148,11 @@ def test_auto_uses_the_reference_on_the_cpu_and_logs_once(caplog: pytest.LogCapt
 
 
 def test_backend_names_are_validated() -> None:
-    for name in ("torch", "triton", "auto", " Torch "):
+    for name in ("torch", "triton", "default", " Torch "):
         K.set_backend(name)
     assert K.get_backend() == "torch"
+    K.set_backend("auto")  # the former name of 'default', still accepted outside the config
+    assert K.get_backend() == "default"
     with pytest.raises(ValueError, match="kernels backend"):
         K.set_backend("cuda")
 

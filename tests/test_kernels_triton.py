@@ -194,7 +194,7 @@ def _worker() -> None:  # pragma: no cover - runs in the subprocess
         res["err"] = rel(out.nan_to_num(0.0), oracle)
         print(json.dumps(res), flush=True)
 
-    # The public functions: 'auto' keeps CPU tensors on the reference even under the interpreter;
+    # The public functions: 'default' keeps CPU tensors on the reference even under the interpreter;
     # 'triton' routes them to the interpreted kernels (default tile config), with the same results.
     import ds_canzona.kernels as K
 
@@ -263,8 +263,8 @@ def test_kernel_in_interpreter(case: dict, results: dict[str, dict]) -> None:
 
 def test_public_functions_route_to_the_kernels(results: dict[str, dict]) -> None:
     res = results["dispatch"]
-    assert res["backend"] == "auto"
-    assert res["auto_is_reference"], "backend 'auto' must keep CPU tensors on the torch reference"
+    assert res["backend"] == "default"
+    assert res["auto_is_reference"], "backend 'default' must keep CPU tensors on the torch reference"
     for op in ("xxt", "ns_step", "sym_stat_update_"):
         assert res[op], f"kernels.{op} with backend 'triton' differs from the kernel wrapper"
     assert res["ns_step_err"] <= BOUND_U["ns_step"]["bfloat16"] * U["bfloat16"]

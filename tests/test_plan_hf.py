@@ -86,3 +86,18 @@ def test_specs_from_module_skips_frozen_and_tied_params() -> None:
     assert [s.matrix for s in custom] == [False, False, False, True, False]
     plan = plan_dp_partitions(specs, world_size=3, bucket_numel=1000)
     assert len(plan.owner) == 5
+
+
+def test_incomplete_hf_config_says_which_sizes_are_transformers_defaults(tmp_path: Path, capsys) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    specs = specs_from_hf_config(tmp_path)
+    note = capsys.readouterr().err
+    assert "num_hidden_layers=32" in note and "vocab_size=32000" in note and "LlamaConfig's defaults" in note
+    assert "hidden_size" not in note, "hidden_size is in the file"
+    assert sum(spec.name.endswith("q_proj.weight") for spec in specs) == 32, "the note describes what was planned"
+
+    complete = tmp_path / "complete.json"
+    complete.write_text(json.dumps(small("qwen3-0.6b")))
+    specs_from_hf_config(complete)
+    note = capsys.readouterr().err
+    assert "num_hidden_layers" not in note and "vocab_size" not in note, note

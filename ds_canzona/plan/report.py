@@ -24,6 +24,12 @@ __all__ = ["COMMAND", "format_dp_table", "format_tp_groups", "plot_dp", "run_pla
 
 DEFAULT_BUCKET_NUMEL = 500_000_000  # DeepSpeed's default reduce_bucket_size
 
+# What the table's "communication" number is, and what alpha trades (docs/PLANNER.md, "Reading the table").
+COMMUNICATION_LEGEND = (
+    "communication: how long the uneven reduce-scatters and all-gathers take against DeepSpeed's equal cuts\n"
+    "(each bucket's largest segment, summed, over the even segments); alpha 0 keeps it lowest, alpha 1 evens the cost."
+)
+
 
 def format_dp_table(plan: DPPlan, *, title: str = "") -> str:
     """A readable per-rank table (cost, elements, tensors) and the max/avg ratios."""
@@ -140,6 +146,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.tp > 1:
         title += f" (TP-local shards, TP {args.tp})"
     print(format_dp_table(plan, title=title))
+    print(COMMUNICATION_LEGEND)
     if tp_plan is not None:
         print()
         print(format_tp_groups(tp_plan))

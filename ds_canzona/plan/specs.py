@@ -12,6 +12,7 @@ import functools
 import json
 import math
 import os
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -202,12 +203,46 @@ def specs_from_hf_config(
         )
     except (OSError, ValueError) as error:
         raise PlanError(f"Cannot load HuggingFace config {os.fspath(path)!r}: {_first_line(error)}") from None
+    defaulted = _defaulted_shape_fields(path, config)
+    if defaulted:
+        # An incomplete config.json plans transformers' defaults (e.g. Llama's 32 layers and 32000
+        # tokens) without a word otherwise; say which sizes were not in the file.
+        print(f"ds-canzona plan: {os.fspath(path)} does not set {', '.join(defaulted)}: "
+              f"planning with {type(config).__name__}'s defaults for them", file=sys.stderr, flush=True)
     with torch.device("meta"):
         try:
             model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
         except ValueError:
             model = transformers.AutoModel.from_config(config, trust_remote_code=trust_remote_code)
     return specs_from_module(model, matrix_rule)
+
+
+def _defaulted_shape_fields(path: str | os.PathLike[str], config: Any) -> list[str]:
+    """``name=value`` for each size the loaded config has but its config.json does not set.
+
+    Sizes are the integer fields (layers, widths, heads, vocabulary, ...) and the bias and
+    tied-embedding switches; token ids and other integers that shape no tensor are left out.
+    """
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else os.fspath(path)
+    try:
+        with open(file, encoding="utf-8") as handle:
+            written = json.load(handle)
+    except (OSError, ValueError):
+        return []
+    if not isinstance(written, dict):
+        return []
+    fields = []
+    for name, value in config.to_dict().items():
+        if name in written or name in _NOT_SHAPES or name.endswith("_token_id"):
+            continue
+        is_size = isinstance(value, int) and not isinstance(value, bool)
+        is_switch = isinstance(value, bool) and (name.endswith("_bias") or name == "tie_word_embeddings")
+        if is_size or is_switch:
+            fields.append(f"{name}={value}")
+    return fields
+
+
+_NOT_SHAPES = frozenset({"chunk_size_feed_forward", "pretraining_tp", "max_position_embeddings"})
 
 
 # Megatron-style splits, keyed by the last name component before ".weight"/".bias": column-parallel

@@ -7,7 +7,13 @@ an enabled ``canzona`` section:
 - ``_do_sanity_check``: validates the ``canzona`` section (the first thing the engine does with
   the config, before any buffer exists) and lets "Shampoo"/"SOAP" pass DeepSpeed's name check;
 - ``_configure_optimizer``: builds the ds_canzona optimizer and its ZeRO-1/2 runtime;
-- ``save_checkpoint`` / ``load_checkpoint``: ds_canzona's per-tensor checkpoint format.
+- ``save_checkpoint`` / ``load_checkpoint``: ds_canzona's per-tensor checkpoint format;
+
+and one method of DeepSpeed's ``DeepSpeedConfig``, which checks the batch sizes before the engine
+exists:
+
+- ``_batch_assertion``: a world size the HuggingFace Trainer miscounted (or batch sizes that do not
+  multiply out) becomes one error with the fix (``ds_canzona.zero.world_size``).
 """
 
 from __future__ import annotations
@@ -142,3 +148,6 @@ def install_engine_hook(engine_class: type) -> None:
     for name, wrap in _WRAPPERS.items():
         setattr(engine_class, name, wrap(getattr(engine_class, name)))
     setattr(engine_class, _PATCHED_FLAG, True)
+    from deepspeed.runtime.config import DeepSpeedConfig  # loaded: the engine module imports it
+    from ds_canzona.zero.world_size import install_batch_check
+    install_batch_check(DeepSpeedConfig)

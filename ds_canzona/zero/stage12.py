@@ -412,6 +412,10 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
                 g.mul_(coefficient)
 
         self._update_owned(grads)
+        # This is the basic optimizer's step under ZeRO; its own step() never runs. torch's LR
+        # schedulers built on it (DeepSpeed hands engine.basic_optimizer to a scheduler callable,
+        # the HF Trainer's among them) read this flag to check it stepped before they do.
+        self.optimizer._opt_called = True
         self.refresh_params_from_masters()
         self.zero_grad()
         return None

@@ -1,0 +1,235 @@
+"""The HuggingFace Trainer with ds_canzona, through the Trainer's own code (transformers 5.x, accelerate).
+
+- Every shipped config, made into TrainingArguments the documented way
+  (``ds_canzona.hf.training_arguments(path, ...)``), goes through the Trainer's whole config
+  processing (TrainingArguments' ``trainer_config_process``, ``trainer_config_finalize``,
+  accelerate's ``deepspeed_config_process``) up to ``deepspeed.initialize``, which is replaced by
+  a stub that keeps the config it receives: no "auto" may be left, the ``canzona`` section and
+  DeepSpeed's config model must accept it. One process, no model download.
+- ``"kernels": "auto"`` is what collided with the Trainer's placeholders; shown here so that the
+  reason for the value's name stays checked.
+- On two gloo ranks: ``deepspeed.initialize(config=<HJSON path>)`` builds ds_canzona's optimizer
+  (DeepSpeed reads HJSON paths itself); a plain Trainer script without ``use_cpu=True`` on this CPU-only machine
+  stops at ``deepspeed.initialize`` with one error saying the fix (both ways the mismatch shows:
+  a filled ``train_batch_size``, and a config without one); then the documented HJSON way trains
+  two steps with the config's optimizer values, on both ranks, with no warning about the lr
+  scheduler stepping before the optimizer.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+
+from distributed import run_ranks
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG_DIR = REPO / "ds_configs"
+CONFIG_FILES = sorted(p for p in CONFIG_DIR.iterdir() if p.suffix in (".json", ".hjson"))
+TINY_MODEL = REPO / "examples" / "configs" / "qwen3-tiny.json"
+
+
+class _Captured(Exception):
+    """Raised by the deepspeed.initialize stand-in once it has the config."""
+
+
+def find_autos(node, prefix: str = "") -> list[str]:
+    if isinstance(node, dict):
+        return [hit for key, value in node.items() for hit in find_autos(value, f"{prefix}{key}.")]
+    if isinstance(node, list):
+        return [hit for i, value in enumerate(node) for hit in find_autos(value, f"{prefix}{i}.")]
+    return [prefix.rstrip(".")] if node == "auto" else []
+
+
+def _tiny_model():
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(Qwen3Config(**json.loads(TINY_MODEL.read_text())))
+
+
+def _tiny_trainer(arguments, *, blocks: int = 64):
+    from transformers import Trainer
+
+    from ds_canzona.data_utils import BlockDataset, load_corpus, token_blocks
+
+    model = _tiny_model()
+    dataset = BlockDataset(token_blocks(load_corpus(), 32)[:blocks])
+    return Trainer(model=model, args=arguments, train_dataset=dataset)
+
+
+def _reset_accelerate() -> None:
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def trainer_config_processing(rank: int, world_size: int, paths: list[str], outdir: str) -> dict:
+    """Each config through TrainingArguments and Trainer.train up to deepspeed.initialize."""
+    import deepspeed
+    import ds_canzona  # noqa: F401
+    from transformers import TrainingArguments
+
+    from ds_canzona.hf import load_ds_config, training_arguments
+
+    def keep_config(**kwargs):
+        results[current]["config"] = copy.deepcopy(kwargs.get("config_params") or kwargs.get("config"))
+        raise _Captured
+
+    deepspeed.initialize = keep_config
+    results: dict = {}
+    common = dict(output_dir=outdir, max_steps=2, report_to="none", save_strategy="no", disable_tqdm=True)
+    for current in paths:
+        results[current] = {}
+        _reset_accelerate()
+        try:
+            arguments = training_arguments(current, **common)
+            results[current]["arguments"] = {field: getattr(arguments, field) for field in (
+                "learning_rate", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay", "max_grad_norm",
+                "per_device_train_batch_size", "bf16", "fp16")}
+            _tiny_trainer(arguments).train()
+        except _Captured:
+            pass
+        except Exception as error:  # reported, and failed, by the test
+            results[current]["error"] = f"{type(error).__name__}: {error}"
+
+    # The collision that gave canzona.kernels its value name: any "auto" is the Trainer's.
+    current = "kernels-auto"
+    results[current] = {}
+    _reset_accelerate()
+    config = load_ds_config(CONFIG_DIR / "zero2_muon.json")
+    config["canzona"]["kernels"] = "auto"
+    try:
+        _tiny_trainer(TrainingArguments(deepspeed=config, use_cpu=True, **common)).train()
+    except _Captured:
+        pass
+    except Exception as error:
+        results[current]["error"] = f"{type(error).__name__}: {error}"
+    return results
+
+
+def test_every_shipped_config_passes_the_trainers_config_processing(tmp_path: Path):
+    import deepspeed  # noqa: F401  (before ds_canzona.config)
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from ds_canzona.config import parse_canzona_section
+    from ds_canzona.hf import load_ds_config
+
+    [results] = run_ranks(trainer_config_processing, 1, [str(p) for p in CONFIG_FILES], str(tmp_path), timeout=300)
+    for path in CONFIG_FILES:
+        result = results[str(path)]
+        assert "error" not in result, f"{path.name}: {result['error']}"
+        config = result["config"]
+        assert find_autos(config) == [], f"{path.name}: 'auto' left for DeepSpeed"
+        canzona = parse_canzona_section(config)
+        assert canzona is not None and canzona.kernels in ("default", "triton", "torch")
+        DeepSpeedConfig(copy.deepcopy(config))
+        raw = load_ds_config(path)
+        params = raw["optimizer"]["params"]
+        arguments = result["arguments"]
+        if params.get("lr", "auto") != "auto":
+            assert arguments["learning_rate"] == params["lr"] == config["optimizer"]["params"]["lr"]
+        if params.get("betas", "auto") != "auto":
+            assert [arguments["adam_beta1"], arguments["adam_beta2"]] == list(params["betas"])
+        if params.get("weight_decay", "auto") != "auto":
+            assert arguments["weight_decay"] == params["weight_decay"]
+        if isinstance(raw.get("train_micro_batch_size_per_gpu"), int):
+            assert arguments["per_device_train_batch_size"] == raw["train_micro_batch_size_per_gpu"]
+        assert arguments["bf16"] == bool((raw.get("bf16") or {}).get("enabled") is True)
+        assert arguments["fp16"] == bool((raw.get("fp16") or {}).get("enabled") is True)
+    collision = results["kernels-auto"].get("error", "")
+    assert "canzona.kernels` not found in kwargs" in collision, collision
+
+
+def test_training_arguments_takes_values_from_the_config_and_refuses_conflicts():
+    from ds_canzona.hf import ConfigFileError, check_trainer_config, load_ds_config, trainer_values_from_config
+
+    config = load_ds_config(CONFIG_DIR / "zero2_muon.hjson")
+    values = trainer_values_from_config(config, {})
+    assert values["learning_rate"] == 0.02 and values["weight_decay"] == 0.01
+    assert (values["adam_beta1"], values["adam_beta2"]) == (0.9, 0.95)
+    assert values["per_device_train_batch_size"] == 4 and values["max_grad_norm"] == 1.0
+    assert "learning_rate" not in trainer_values_from_config(config, {"learning_rate": 0.02})
+    with pytest.raises(ConfigFileError, match=r"learning_rate=0\.1.*'optimizer\.params\.lr': 0\.02"):
+        trainer_values_from_config(config, {"learning_rate": 0.1})
+    json_config = load_ds_config(CONFIG_DIR / "zero2_muon.json")
+    assert "learning_rate" not in trainer_values_from_config(json_config, {}), "'auto' is left to the Trainer"
+    with pytest.raises(ConfigFileError, match="'canzona.kernels': write \"default\""):
+        check_trainer_config({**json_config, "canzona": {"kernels": "auto"}})
+
+
+def trainer_on_two_ranks(rank: int, world_size: int, outdir: str) -> dict:
+    import ds_canzona  # noqa: F401
+    from transformers import TrainingArguments
+
+    from ds_canzona.config import CanzonaConfigError
+    from ds_canzona.hf import load_ds_config, training_arguments
+
+    import deepspeed
+
+    # README "Use it": DeepSpeed reads the HJSON path itself.
+    engine, _, _, _ = deepspeed.initialize(model=_tiny_model(), config=str(CONFIG_DIR / "zero2_muon.hjson"))
+    from_path = type(engine.optimizer).__module__
+    del engine
+
+    common = dict(max_steps=2, report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1,
+                  lr_scheduler_type="constant")
+    refusals = []
+    # A plain Trainer script, as on a GPU machine: the Trainer fills train_batch_size (JSON
+    # config), or the config has none (HJSON config, its values given to the Trainer by hand).
+    hjson = load_ds_config(CONFIG_DIR / "zero2_muon.hjson")
+    plain = [
+        (CONFIG_DIR / "zero2_muon.json", dict(learning_rate=0.02, per_device_train_batch_size=4)),
+        (hjson, dict(learning_rate=0.02, weight_decay=0.01, adam_beta2=0.95, per_device_train_batch_size=4)),
+    ]
+    for config, values in plain:
+        _reset_accelerate()
+        arguments = TrainingArguments(output_dir=f"{outdir}/plain", deepspeed=config, **values, **common)
+        try:
+            _tiny_trainer(arguments).train()
+            refusals.append("trained")
+        except CanzonaConfigError as error:
+            refusals.append(str(error))
+
+    # The documented way: one call, the HJSON path as it is.
+    _reset_accelerate()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        arguments = training_arguments(CONFIG_DIR / "zero2_muon.hjson", output_dir=f"{outdir}/hjson", **common)
+        trainer = _tiny_trainer(arguments)
+        trainer.train()
+    engine = trainer.model_wrapped
+    return {
+        "from_path": from_path,
+        "refusals": refusals,
+        "trainer_world_size": arguments.world_size,
+        "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
+        "steps": trainer.state.global_step,
+        "optimizer": type(engine.optimizer).__module__,
+        "lrs": [group["lr"] for group in engine.optimizer.optimizer.param_groups],
+        "warnings": [str(w.message) for w in caught],
+    }
+
+
+def test_trainer_on_cpu_ranks_plain_script_refused_documented_hjson_way_trains(tmp_path: Path):
+    results = run_ranks(trainer_on_two_ranks, 2, str(tmp_path), timeout=300)
+    for result in results:
+        assert result["from_path"].startswith("ds_canzona."), "deepspeed.initialize(config=HJSON path)"
+        batch_filled, no_batch_key = result["refusals"]
+        for message in (batch_filled, no_batch_key):
+            assert "counted 1 process but DeepSpeed runs 2" in message, message
+            assert "TrainingArguments(use_cpu=True)" in message and "\n" not in message
+        assert "train_batch_size 4 = micro batch 4 x gradient accumulation 1 x 1 instead of x 2" in batch_filled
+
+        assert result["trainer_world_size"] == 2
+        assert result["steps"] == 2 and len(result["losses"]) == 2
+        assert result["optimizer"].startswith("ds_canzona."), result["optimizer"]
+        assert result["lrs"] == [0.02, 0.003], "muon_lr and adam_lr from the HJSON config"
+        stepped_early = [w for w in result["warnings"] if "lr_scheduler.step()" in w]
+        assert not stepped_early, stepped_early
+    assert results[0]["losses"] == results[1]["losses"], "the logged loss is the mean over ranks"
