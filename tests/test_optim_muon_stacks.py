@@ -21,7 +21,7 @@ from ds_canzona.plan.cost import muon_flops, shampoo_flops, soap_flops
 
 # The classic quintic does not converge to 1: it pushes every singular value into a plateau it
 # oscillates in (Keller Jordan's note: roughly Uniform(0.5, 1.5) in bf16; measured here in fp32
-# on random 32 x 16 inputs: 0.68-1.14). The old flattened view gave each expert 0.06-0.35.
+# on random 32 x 16 inputs: 0.68-1.13). The old flattened view gives each expert 0.05-0.38.
 PLATEAU = (0.6, 1.25)
 # Relative error of one fp32 update against the same iteration in float64, or against
 # DeepSpeed's fp32 run (which forms (c*A)@A where we form c*(A@A)): see test_optim_muon.py.
