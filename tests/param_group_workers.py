@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from types import SimpleNamespace
 
 import torch
 
@@ -17,9 +18,13 @@ from tiny_model import batches, make_moe_model
 STEPS = 8
 MICRO_BATCH = 2
 
-# DeepSpeed's Muon config keys; ns_method "standard" so both sides run the same iteration (fp32).
+# DeepSpeed's Muon config keys; ns_method "standard" so both sides run the same iteration (fp32);
+# per-head Muon on the attention projections (DeepSpeed tags them from the model's config).
 MUON_PARAMS = {"lr": 0.02, "adam_lr": 0.003, "weight_decay": 0.01, "momentum": 0.95, "betas": [0.9, 0.95],
-               "eps": 1e-10, "ns_method": "standard"}
+               "eps": 1e-10, "ns_method": "standard", "per_head_muon": True}
+# What DeepSpeed's per-head tagging reads (a HuggingFace config's fields): TinyMoELM's attention has
+# 4 query heads and 2 key/value heads of width 4.
+MODEL_CONFIG = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 16, "head_dim": 4}
 
 # The incoming groups, in DeepSpeed's vocabulary: the experts at their own lr and momentum; norms
 # and biases without weight decay at another lr; everything else with the config's settings.
@@ -62,6 +67,7 @@ def _initialize(config: dict, *, conv: bool = False, **kwargs):
     import deepspeed
 
     model = make_moe_model(conv=conv)
+    model.config = SimpleNamespace(**MODEL_CONFIG)
     if "optimizer" in config:
         kwargs.setdefault("model_parameters", deepspeed_groups(model))
     kwargs.setdefault("lr_scheduler", lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))

@@ -5,7 +5,7 @@ parameter the hyper-parameters DeepSpeed's ``_muon_param_groups`` gives it; per-
 DeepSpeed's own head tags; the planner prices each matrix group with its own settings.
 
 Distributed (DP 2, one spawn per ZeRO stage, tests/param_group_workers.py): the same model, data,
-seed, groups and LR schedule through DeepSpeed's Muon and through ds_canzona; ds_canzona bit for bit
+seed, groups, LR schedule and per-head Muon through DeepSpeed's Muon and through ds_canzona; ds_canzona bit for bit
 against the single-process optimizer fed its averaged gradients; a checkpoint round trip of the
 groups; a callable client optimizer; a 4-D convolution filter.
 """
@@ -36,6 +36,9 @@ from ds_canzona.zero.build import PerGroupCost, optimizer_from_config, plan_cost
 # sqrt(v), which magnifies small gradient differences where v is small). A wrong group setting
 # (an lr or momentum off, weight decay on a norm) moves a tensor by O(1) of its update.
 DEEPSPEED_PARITY = 1e-4
+
+# The distributed runs' config keys without per-head Muon (the unit tests' models carry no head tags).
+PLAIN_PARAMS = {k: v for k, v in MUON_PARAMS.items() if k != "per_head_muon"}
 
 
 class FakeEngine:
@@ -79,7 +82,7 @@ def deepspeed_settings(model, model_parameters, config_params) -> dict[str, dict
 
 
 @pytest.mark.parametrize("config_params", [
-    MUON_PARAMS,
+    PLAIN_PARAMS,
     {"lr": 0.01, "muon_lr": 0.03, "weight_decay": 0.1, "momentum": 0.9, "betas": [0.8, 0.9], "eps": 1e-8,
      "ns_method": "standard"},
 ])
@@ -105,10 +108,10 @@ def test_groups_get_deepspeeds_settings(config_params):
 
 def test_loose_tensors_and_no_model_parameters():
     model = make_moe_model()
-    ours = optimizer_from_config(FakeEngine(model, MUON_PARAMS), [model.embed_tokens.weight, model.router.weight])
+    ours = optimizer_from_config(FakeEngine(model, PLAIN_PARAMS), [model.embed_tokens.weight, model.router.weight])
     assert {n: g["kind"] for g in ours.param_groups for n in g["param_names"]} == \
         {"embed_tokens.weight": "adamw", "router.weight": "muon"}
-    everything = optimizer_from_config(FakeEngine(model, MUON_PARAMS), None)
+    everything = optimizer_from_config(FakeEngine(model, PLAIN_PARAMS), None)
     kinds = {n: g["kind"] for g in everything.param_groups for n in g["param_names"]}
     assert kinds["lm_head.weight"] == "adamw" and kinds["experts_up"] == "muon" and len(kinds) == 19
 
@@ -116,9 +119,9 @@ def test_loose_tensors_and_no_model_parameters():
 def test_group_errors_name_the_problem():
     model = make_moe_model()
     with pytest.raises(CanzonaConfigError, match="not a parameter of the model"):
-        optimizer_from_config(FakeEngine(model, MUON_PARAMS), [{"params": [torch.nn.Parameter(torch.ones(3))]}])
+        optimizer_from_config(FakeEngine(model, PLAIN_PARAMS), [{"params": [torch.nn.Parameter(torch.ones(3))]}])
     with pytest.raises(CanzonaConfigError, match=r"param group.*momentun"):
-        optimizer_from_config(FakeEngine(model, MUON_PARAMS), [{"params": list(model.parameters()), "momentun": 1}])
+        optimizer_from_config(FakeEngine(model, PLAIN_PARAMS), [{"params": list(model.parameters()), "momentun": 1}])
     with pytest.raises(CanzonaConfigError, match="per_head_muon applies to Muon only"):
         optimizer_from_config(FakeEngine(model, {"per_head_muon": True}, name="shampoo"), None)
     with pytest.raises(CanzonaConfigError, match="tagged no parameter"):
@@ -131,7 +134,7 @@ def test_per_head_muon_takes_deepspeeds_head_tags():
     deepspeed = pytest.importorskip("deepspeed")
     model = TinyLM(dim=24, heads=4, hidden=44, layers=1)
     model.config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, hidden_size=24, head_dim=6)
-    config_params = {**MUON_PARAMS, "per_head_muon": True}
+    config_params = {**PLAIN_PARAMS, "per_head_muon": True}
     deepspeed.set_optimizer_flags(SimpleNamespace(optimizer_name="muon", optimizer_params=config_params), model)
     optimizer = optimizer_from_config(FakeEngine(model, config_params), None)
     heads = {n: g["num_heads"] for g in optimizer.param_groups if g["kind"] == "muon" for n in g["param_names"]}
@@ -183,10 +186,15 @@ def single_process_replay(grads_per_step: list[dict]) -> dict:
         named = list(model.named_parameters())
         experts = [(n, p) for n, p in named if n.startswith("experts_")]
         no_decay = [(n, p) for n, p in named if p.ndim < 2]
-        rest = [(n, p) for n, p in named if not n.startswith("experts_") and p.ndim >= 2]
+        queries = [(n, p) for n, p in named if n == "block.q_proj.weight"]
+        keys_values = [(n, p) for n, p in named if n in ("block.k_proj.weight", "block.v_proj.weight")]
+        taken = {n for n, _ in experts + no_decay + queries + keys_values}
+        rest = [(n, p) for n, p in named if n not in taken]
         optimizer = Muon([{"params": experts, "lr": 0.01, "adam_lr": 0.01, "momentum": 0.9},
                           {"params": no_decay, "weight_decay": 0.0, "adam_weight_decay": 0.0, "lr": 0.002,
                            "adam_lr": 0.002},
+                          {"params": queries, "num_heads": 4},
+                          {"params": keys_values, "num_heads": 2},
                           {"params": rest}],
                          lr=0.02, adam_lr=0.003, weight_decay=0.01, momentum=0.95, ns_method="standard",
                          adam_betas=(0.9, 0.95), adam_eps=1e-10)
@@ -234,6 +242,9 @@ def test_groups_equal_the_single_process_optimizer(runs, stage):
     assert groups["muon"]["initial_lr"] == 0.01 and groups["muon"]["momentum"] == 0.9
     assert groups["adamw"]["weight_decay"] == 0.0 and groups["adamw"]["initial_lr"] == 0.002
     assert groups["muon"]["lr"] == pytest.approx(0.01 * schedule(STEPS))  # the scheduler's edits reached it
+    heads = {name: g["num_heads"] for g in results[0]["groups"] if g["kind"] == "muon" for name in g["names"]}
+    assert heads["block.q_proj.weight"] == 4 and heads["block.k_proj.weight"] == 2
+    assert heads["block.o_proj.weight"] is None and heads["experts_up"] is None
 
 
 def test_checkpoint_keeps_group_settings_and_schedule(runs):
