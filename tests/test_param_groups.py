@@ -126,6 +126,8 @@ def test_group_errors_name_the_problem():
         optimizer_from_config(FakeEngine(model, {"per_head_muon": True}, name="shampoo"), None)
     with pytest.raises(CanzonaConfigError, match="tagged no parameter"):
         optimizer_from_config(FakeEngine(make_moe_model(), {"per_head_muon": True}), None)
+    with pytest.raises(CanzonaConfigError, match=r"experts_up.*does not update 3-D tensors"):
+        optimizer_from_config(FakeEngine(model, {}, name="shampoo"), None)
 
 
 def test_per_head_muon_takes_deepspeeds_head_tags():
