@@ -273,3 +273,14 @@ def test_deepspeed_groups_hold_every_parameter_once():
     model = make_moe_model()
     held = [id(p) for group in deepspeed_groups(model) for p in group["params"]]
     assert sorted(held) == sorted(id(p) for p in model.parameters())
+
+
+def test_group_keys_translate_like_the_config():
+    from ds_canzona.zero.build import translate_group_keys
+    # lr and weight_decay reach both halves; ds_canzona's own half keys win over them, in any order.
+    assert translate_group_keys("muon", {"params": [], "adam_lr": 1e-3, "lr": 0.1, "weight_decay": 0.0}) == \
+        {"lr": 0.1, "adam_lr": 1e-3, "weight_decay": 0.0, "adam_weight_decay": 0.0}
+    assert translate_group_keys("muon", {"betas": [0.8, 0.9], "eps": 1e-6, "momentum": 0.9}) == \
+        {"adam_betas": (0.8, 0.9), "adam_eps": 1e-6, "momentum": 0.9}
+    assert translate_group_keys("shampoo", {"betas": [0.8, 0.9]}) == {"betas": (0.8, 0.9)}
+    assert translate_group_keys("adamw", {"lr": 0.1, "weight_decay": 0.0}) == {"lr": 0.1, "weight_decay": 0.0}

@@ -59,7 +59,9 @@ def translate_group_keys(name: str, group: dict[str, Any]) -> dict[str, Any]:
     read ``lr`` and ``weight_decay`` the same way; their ``betas`` / ``eps`` are their own.
     """
     out: dict[str, Any] = {}
-    for key, value in group.items():
+    # The shared lr and weight_decay first, so a group's own adam_lr / adam_weight_decay wins.
+    for key in sorted(group, key=lambda k: k not in ("lr", "weight_decay")):
+        value = group[key]
         if key == "params":
             continue
         if name != "adamw" and key == "lr":
