@@ -33,12 +33,17 @@ GROUPS = {
     "soap": {"kind": "soap", "precondition_frequency": 2, "max_precond_dim": 12},
     "adamw": {"kind": "adamw", "weight_decay": 0.1},
 }
-MATRIX_SHAPES = [(12, 20), (12, 20), (20, 12), (7, 3, 2), (12, 20)]
+MATRIX_SHAPES = [(12, 20), (12, 20), (20, 12), (7, 3, 2, 2), (12, 20)]
+STACK_SHAPES = [(3, 7, 5)]  # a 3-D stack of matrices (MoE experts): Muon and AdamW only
 VECTOR_SHAPES = [(12,), (5,), (12,)]
 
 
 def shapes_for(group):
-    return MATRIX_SHAPES if group["kind"] in MATRIX_KINDS else MATRIX_SHAPES + VECTOR_SHAPES
+    if group["kind"] == "muon":
+        return MATRIX_SHAPES + STACK_SHAPES
+    if group["kind"] in MATRIX_KINDS:
+        return MATRIX_SHAPES
+    return MATRIX_SHAPES + STACK_SHAPES + VECTOR_SHAPES
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -158,12 +163,12 @@ def test_cost_delegates_to_the_planner(monkeypatch):
             calls.append(kwargs)
 
         def cost(self, spec):
-            calls.append({"matrix": spec.matrix})
+            calls.append({"matrix": spec.matrix, **({"heads": spec.heads} if spec.heads > 1 else {})})
             return float(math.prod(spec.shape))
 
     class FakeSpec:
-        def __init__(self, name, shape, matrix):
-            self.name, self.shape, self.matrix = name, shape, matrix
+        def __init__(self, name, shape, matrix, heads=1):
+            self.name, self.shape, self.matrix, self.heads = name, shape, matrix, heads
 
     fake = types.ModuleType("ds_canzona.plan")
     fake.cost_model = lambda **kwargs: FakeModel(**kwargs)
@@ -179,6 +184,8 @@ def test_cost_delegates_to_the_planner(monkeypatch):
     assert calls[-2]["max_preconditioner_dim"] == 1024
     assert rule_for_group({"kind": "adamw"}).cost((4,)) == 4.0
     assert calls[-2:] == [{"name": "flops"}, {"matrix": False}]
+    rule_for_group({"kind": "muon", "num_heads": 2}).cost((4, 6))  # per-head: the spec says so
+    assert calls[-1] == {"matrix": True, "heads": 2}
 
 
 def test_cost_with_the_real_planner():
@@ -247,13 +254,15 @@ class Tiny(torch.nn.Module):
         super().__init__()
         self.embed_tokens = torch.nn.Embedding(11, 8)
         self.proj = torch.nn.Linear(8, 8)
-        self.conv = torch.nn.Conv1d(8, 4, 3)
+        # A 4-D filter (one (out, rest) matrix for every matrix kind); a Conv1d's 3-D weight would
+        # be a stack of matrices, which Shampoo and SOAP refuse.
+        self.conv = torch.nn.Conv2d(8, 4, (1, 3))
         self.norm = torch.nn.LayerNorm(4)
         self.lm_head = torch.nn.Linear(4, 11, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = torch.tanh(self.proj(self.embed_tokens(tokens)))  # (batch, length, 8)
-        x = self.conv(x.transpose(1, 2)).transpose(1, 2)  # (batch, length - 2, 4)
+        x = self.conv(x.transpose(1, 2).unsqueeze(2)).squeeze(2).transpose(1, 2)  # (batch, length - 2, 4)
         return self.lm_head(self.norm(x))
 
 

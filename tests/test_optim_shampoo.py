@@ -96,7 +96,7 @@ CASES = [
     # which the inverse root turns into O(1) differences, so fp32 vs fp64 would be ill posed.
     ((6, 10), 1024, (0.9, 1.0), 1e-12),
     ((12, 20), 8, (0.9, 0.95), 1e-12),
-    ((10, 3, 2), 1024, (0.0, 1.0), 1e-12),
+    ((10, 3, 1, 2), 1024, (0.0, 1.0), 1e-12),
     ((10, 9), 5, (0.5, 0.99), 1e-12),
     # 1-wide edge blocks: their 4x4 statistics have rank <= 3 at the start step; regularised.
     ((9, 9), 4, (0.9, 1.0), 1e-2),

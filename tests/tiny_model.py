@@ -73,3 +73,43 @@ def batches(step: int, micro: int, rank: int, world_size: int, micro_batch: int 
     start = torch.randint(0, VOCAB, (micro_batch, 1), generator=g)
     stride = torch.randint(1, 4, (micro_batch, 1), generator=g)
     return (start + stride * torch.arange(seq)) % VOCAB
+
+
+class TinyMoELM(nn.Module):
+    """A decoder with a fused MoE expert stack, for the param-group and DeepSpeed-parity tests.
+
+    The embedding and head go to AdamW by name; one attention block brings 1-D norms and a bias;
+    a router mixes the experts softly (every expert gets a gradient) held as two 3-D stacks
+    ``[experts, out, in]`` (Muon orthogonalises each expert on its own); ``unused`` never takes
+    part in the forward, so it never gets a gradient. With ``conv`` a 4-D convolution filter
+    joins (DeepSpeed 0.19.8's Muon crashes on one; ours must not).
+    """
+
+    def __init__(self, dim: int = 16, heads: int = 4, hidden: int = 24, experts: int = 4, expert_hidden: int = 32,
+                 conv: bool = False):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB, dim)
+        self.block = Block(dim, heads, hidden)
+        self.router = nn.Linear(dim, experts, bias=True)
+        self.experts_up = nn.Parameter(torch.randn(experts, expert_hidden, dim) / dim**0.5)
+        self.experts_down = nn.Parameter(torch.randn(experts, dim, expert_hidden) / expert_hidden**0.5)
+        self.unused = nn.Linear(dim, dim)
+        self.conv = nn.Conv2d(1, 2, 3, padding=1) if conv else None
+        self.norm = nn.RMSNorm(dim)
+        self.lm_head = nn.Linear(dim, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.block(self.embed_tokens(tokens[:, :-1]))
+        if self.conv is not None:
+            x = x + self.conv(x.unsqueeze(1)).mean(1)
+        gate = torch.softmax(self.router(x), dim=-1)  # (batch, time, experts)
+        h = F.silu(torch.einsum("btd,eod->bteo", x, self.experts_up))
+        y = torch.einsum("bteo,edo->bted", h, self.experts_down)
+        x = x + (gate.unsqueeze(-1) * y).sum(2)
+        logits = self.lm_head(self.norm(x))
+        return F.cross_entropy(logits.reshape(-1, VOCAB).float(), tokens[:, 1:].reshape(-1))
+
+
+def make_moe_model(seed: int = 0, **kwargs) -> TinyMoELM:
+    torch.manual_seed(seed)
+    return TinyMoELM(**kwargs)

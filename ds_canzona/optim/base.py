@@ -155,12 +155,27 @@ def finite_flags(grads: Sequence[Tensor]) -> list[bool]:
     return [bool(f) for f in flags]
 
 
+def matrix_stack_shape(shape: Sequence[int]) -> tuple[int, int, int]:
+    """(count, rows, cols): the independent matrices in which matrix rules see a tensor of >= 2 dims.
+
+    * 2 dims: one matrix.
+    * 3 dims: a stack of ``shape[0]`` matrices of ``shape[1] x shape[2]``, each its own matrix: a
+      fused MoE expert stack ``[experts, out, in]`` (DeepSpeed's and the reference Muon's rule).
+    * 4 or more dims: one matrix ``(shape[0], rest)``: a convolution filter ``[out, in, kh, kw]``.
+    """
+    if len(shape) == 3:
+        return int(shape[0]), int(shape[1]), int(shape[2])
+    rows = int(shape[0])
+    return 1, rows, math.prod(int(s) for s in shape[1:])
+
+
 def as_matrix(t: Tensor) -> Tensor:
-    """The 2-D view (rows, everything else) in which matrix rules see a tensor of >= 2 dims."""
+    """The 2-D view (rows, everything else) of a tensor of 2 or >= 4 dims (see ``matrix_stack_shape``)."""
     return t.reshape(t.shape[0], -1)
 
 
 def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
+    """(rows, cols) of ``as_matrix`` for a tensor of 2 or >= 4 dims."""
     rows = int(shape[0])
     return rows, math.prod(int(s) for s in shape[1:])
 
@@ -169,6 +184,15 @@ def require_matrix(kind: str, param: Tensor) -> None:
     if param.dim() < 2:
         raise ValueError(f"The {kind} rule updates tensors with >= 2 dims, got shape {tuple(param.shape)}; "
                          "give 1-D tensors to 'adamw' (the single-process optimizers do so by the matrix rule)")
+
+
+def refuse_expert_stack(kind: str, shape: Sequence[int]) -> None:
+    """Shampoo and SOAP do not take 3-D tensors (see docs/OPTIMIZERS.md, "Tensors of more than 2 dims")."""
+    if len(shape) == 3:
+        raise ValueError(f"The {kind} rule does not update 3-D tensors (shape {tuple(shape)}): a 3-D tensor is a "
+                         "stack of matrices (MoE experts), which would need one set of statistics per matrix; "
+                         "give it to 'muon' (each matrix orthogonalised on its own) or to 'adamw', or store the "
+                         "experts as separate 2-D parameters")
 
 
 def check_update_args(params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]]) -> None:
@@ -218,9 +242,18 @@ class RuleBase:
     def _update_one(self, param: Tensor, grad: Tensor, state: dict[str, Tensor], lr: float) -> None:
         raise NotImplementedError
 
+    def check_shape(self, shape: tuple[int, ...]) -> None:
+        """A ValueError if this rule cannot update a tensor of ``shape`` (checked when groups are built)."""
+        if self.kind in MATRIX_KINDS and len(shape) < 2:
+            raise ValueError(f"matrix kinds need >= 2 dims, got shape {shape}")
+
     def cost_options(self) -> dict[str, Any]:
         """This kind's hyper-parameters under the names the planner's FLOPs model takes."""
         return {}
+
+    def plan_heads(self) -> int:
+        """``ParamSpec.heads`` of this group's matrices: how many row blocks each is updated as."""
+        return 1
 
     def cost(self, shape: tuple[int, ...], *, model: str = "flops", machine_balance: float | None = None) -> float:
         """One update of a tensor of ``shape`` priced by the planner's ``model`` (FLOPs by default)."""
@@ -235,7 +268,9 @@ class RuleBase:
             pricing = cost_model(name=model, optimizer=self.kind, **extra, **self.cost_options())
         else:
             pricing = cost_model(name=model, **extra)
-        return float(pricing.cost(ParamSpec(name=self.kind, shape=tuple(int(d) for d in shape), matrix=matrix)))
+        heads = self.plan_heads() if matrix else 1
+        spec = ParamSpec(name=self.kind, shape=tuple(int(d) for d in shape), matrix=matrix, heads=heads)
+        return float(pricing.cost(spec))
 
 
 def with_master(param: Tensor, fn: Any) -> None:

@@ -1,6 +1,6 @@
 """Muon's per-tensor rule: Nesterov momentum, then a Newton-Schulz polar factor as the step.
 
-For one tensor W (viewed as a rows x cols matrix; more dims are folded into cols) with gradient G:
+For one tensor W with gradient G (each matrix of it on its own, see "Which matrices" below):
 
     B <- momentum * B + (1 - momentum) * G                     (B: state 'momentum_buffer')
     U <- (1 - momentum) * G + momentum * B   if nesterov, else B
@@ -11,6 +11,13 @@ For one tensor W (viewed as a rows x cols matrix; more dims are folded into cols
 ``scale`` is sqrt(max(1, rows / cols)) ("original", Keller Jordan's and DeepSpeed's) or
 0.2 * sqrt(max(rows, cols)) ("match_rms_adamw", Moonshot's: an update with AdamW's RMS, so
 AdamW's lr and weight decay carry over).
+
+Which matrices (DeepSpeed 0.19.8's ``muon_update``): a 2-D tensor is one matrix; a 3-D tensor
+``[experts, out, in]`` is a stack of ``experts`` matrices, each orthogonalised on its own and
+scaled by its own shape; a 4-D convolution filter is one ``(out, in * kh * kw)`` matrix. With
+``num_heads`` set (per-head Muon), a 2-D attention projection ``[heads * head_dim, in]`` is
+``heads`` matrices of ``head_dim x in``. The matrices of a stack are orthogonalised one call each
+(not as one batched call), so each one's result is bit-identical to orthogonalising it alone.
 """
 
 from __future__ import annotations
@@ -25,13 +32,12 @@ from torch import Tensor
 
 from ds_canzona.optim.base import (
     RuleBase,
-    as_matrix,
     check_bool,
     check_choice,
     check_float,
     check_int,
     invalid,
-    matrix_shape,
+    matrix_stack_shape,
     new_step,
     register_rule,
     require_matrix,
@@ -88,6 +94,7 @@ class MuonRule(RuleBase):
     weight_decay: float = 0.0
     lr_scaling: str = "original"
     batch_same_shape: bool = False
+    num_heads: int | None = None
 
     def __post_init__(self) -> None:
         kind = self.kind
@@ -98,6 +105,8 @@ class MuonRule(RuleBase):
         check_float(kind, "weight_decay", self.weight_decay, low=0.0)
         check_choice(kind, "lr_scaling", self.lr_scaling, LR_SCALINGS)
         check_bool(kind, "batch_same_shape", self.batch_same_shape)
+        if self.num_heads is not None:
+            check_int(kind, "num_heads", self.num_heads, low=1)
         if isinstance(self.ns_dtype, torch.dtype):  # accept torch.float32 as well as "float32"
             object.__setattr__(self, "ns_dtype", str(self.ns_dtype).removeprefix("torch."))
         if self.ns_dtype is not None:
@@ -122,8 +131,25 @@ class MuonRule(RuleBase):
     def coefficient_set(self) -> CoefficientSet:
         return coefficient_set(self.ns_coefficients)
 
+    def matrices(self, shape: tuple[int, ...]) -> tuple[int, int, int]:
+        """(count, rows, cols) of the matrices a tensor of ``shape`` is orthogonalised as."""
+        count, rows, cols = matrix_stack_shape(shape)
+        if self.num_heads is None:
+            return count, rows, cols
+        return self.num_heads, rows // self.num_heads, cols
+
+    def check_shape(self, shape: tuple[int, ...]) -> None:
+        super().check_shape(shape)
+        if self.num_heads is not None and (len(shape) != 2 or shape[0] % self.num_heads):
+            raise ValueError(f"Per-head Muon (num_heads={self.num_heads}) needs a 2-D attention projection whose "
+                             f"rows split evenly into heads, got shape {shape}")
+
+    def plan_heads(self) -> int:
+        return self.num_heads or 1
+
     def init_state(self, param: Tensor) -> dict[str, Tensor]:
         require_matrix(self.kind, param)
+        self.check_shape(tuple(param.shape))
         # 'step' is not needed by the math; it is kept so every kind's state says how many
         # updates it has taken (and a skipped non-finite step is visible).
         return {"step": new_step(), "momentum_buffer": torch.zeros_like(param, dtype=state_dtype(param))}
@@ -145,22 +171,41 @@ class MuonRule(RuleBase):
         return orthogonalize(u, method=self.ns_method, coefficients=self.coefficient_set, steps=self.ns_steps,
                              dtype=dtype, restart_steps=self.gram_restart_steps)
 
+    def _orthogonalize_matrices(self, u: Tensor) -> Tensor:
+        """The orthogonalised update of one tensor, as a (count, rows, cols) stack of its matrices.
+
+        One call per matrix: on the CPU a batched matmul is not bit-identical to the same
+        products one by one (docs/NOTES.md), and each matrix's result must not depend on its
+        neighbours. ``batch_same_shape`` opts into one batched call instead.
+        """
+        count, rows, cols = self.matrices(tuple(u.shape))
+        stack = u.reshape(count, rows, cols)
+        if count == 1:
+            return self._orthogonalize(stack[0]).unsqueeze(0)
+        if self.batch_same_shape:
+            return self._orthogonalize(stack)
+        out = torch.empty_like(stack)
+        for index in range(count):
+            out[index] = self._orthogonalize(stack[index])
+        return out
+
     def _apply_(self, param: Tensor, ortho: Tensor, lr: float) -> None:
-        rows, cols = matrix_shape(param.shape)
+        _, rows, cols = self.matrices(tuple(param.shape))
         if self.weight_decay != 0.0:
             param.mul_(1.0 - lr * self.weight_decay)
         param.add_(ortho.reshape(param.shape).to(param.dtype), alpha=-lr * lr_scale(self.lr_scaling, rows, cols))
 
     def _update_one(self, param: Tensor, grad: Tensor, state: dict[str, Tensor], lr: float) -> None:
         u = self._momentum_(grad, state)
-        self._apply_(param, self._orthogonalize(as_matrix(u)), lr)
+        self._apply_(param, self._orthogonalize_matrices(u), lr)
 
     def _update_finite(self, work: list[tuple[Tensor, Tensor, dict[str, Tensor]]], lr: float) -> None:
         if not self.batch_same_shape:
             super()._update_finite(work, lr)
             return
-        # Opt-in batching: one batched iteration per (shape, dtype, device). Equal to the
-        # per-matrix result only up to rounding (see docs/OPTIMIZERS.md), hence off by default.
+        # Opt-in batching: one batched iteration per (shape, dtype, device), over every matrix of
+        # every tensor of that shape. Equal to the per-matrix result only up to rounding (see
+        # docs/OPTIMIZERS.md), hence off by default.
         groups: dict[tuple[Any, ...], list[tuple[Tensor, Tensor, dict[str, Tensor]]]] = defaultdict(list)
         for item in work:
             param = item[0]
@@ -171,10 +216,10 @@ class MuonRule(RuleBase):
                 continue
             masters = [p if p.dtype == state_dtype(p) else p.to(state_dtype(p)) for p, _, _ in items]
             updates = [self._momentum_(g.to(m.dtype), s) for m, (_, g, s) in zip(masters, items)]
-            stacked = torch.stack([as_matrix(u) for u in updates])
-            ortho = self._orthogonalize(stacked)
+            count, rows, cols = self.matrices(tuple(items[0][0].shape))
+            ortho = self._orthogonalize(torch.cat([u.reshape(count, rows, cols) for u in updates]))
             for index, (master, (param, _, _)) in enumerate(zip(masters, items)):
-                self._apply_(master, ortho[index], lr)
+                self._apply_(master, ortho[index * count:(index + 1) * count], lr)
                 if master is not param:
                     param.copy_(master)
 

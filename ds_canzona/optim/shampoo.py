@@ -39,6 +39,7 @@ from ds_canzona.optim.base import (
     check_int,
     matrix_shape,
     new_step,
+    refuse_expert_stack,
     register_rule,
     require_matrix,
     state_dtype,
@@ -120,8 +121,13 @@ class ShampooRule(RuleBase):
                 out.append((f"{i}.{j}", slice(r0, r1), slice(c0, c1)))
         return out
 
+    def check_shape(self, shape: tuple[int, ...]) -> None:
+        super().check_shape(shape)
+        refuse_expert_stack(self.kind, shape)
+
     def init_state(self, param: Tensor) -> dict[str, Tensor]:
         require_matrix(self.kind, param)
+        self.check_shape(tuple(param.shape))
         dtype = state_dtype(param)
         state = {
             "step": new_step(),

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ds_canzona.optim.base import MATRIX_KINDS, is_matrix, rule_class, rule_for_group, state_dtype
+from ds_canzona.optim.base import is_matrix, rule_class, rule_for_group, state_dtype
 
 # DeepSpeed's Muon gives its auxiliary Adam this lr when the config sets none.
 DEEPSPEED_AUX_ADAM_LR = 3e-4
@@ -83,12 +83,13 @@ class RuleOptimizer(torch.optim.Optimizer):
             if not kind_items:
                 continue
             hyper = per_kind[kind_]
-            rule_for_group({**hyper, "kind": kind_})  # a bad value is an error here, not at the first step
-            if kind_ in MATRIX_KINDS:
-                for item_name, tensor in kind_items:
-                    if tensor.dim() < 2:
-                        raise ValueError(f"A {kind_!r} group holds a tensor of shape {tuple(tensor.shape)}"
-                                         f"{f' ({item_name})' if item_name else ''}; matrix kinds need >= 2 dims")
+            rule = rule_for_group({**hyper, "kind": kind_})  # a bad value is an error here, not at the first step
+            for item_name, tensor in kind_items:
+                try:
+                    rule.check_shape(tuple(tensor.shape))
+                except ValueError as error:
+                    raise ValueError(f"A {kind_!r} group holds a tensor of shape {tuple(tensor.shape)}"
+                                     f"{f' ({item_name})' if item_name else ''}: {error}") from None
             named = all(item_name is not None for item_name, _ in kind_items)
             params: list[Any] = list(kind_items) if named else [tensor for _, tensor in kind_items]
             new_group: dict[str, Any] = {"params": params, "kind": kind_, **hyper}
@@ -251,7 +252,11 @@ class Muon(_MatrixOptimizer):
     """Muon for matrices, AdamW for the rest, in one optimizer (DeepSpeed's MuonWithAuxAdam, single process).
 
     Which tensors are matrices: >= 2 dims and a name without "embed" or "lm_head" (unnamed
-    tensors: >= 2 dims). Tensors of more than 2 dims are orthogonalised as (shape[0], rest).
+    tensors: >= 2 dims). A 3-D tensor is a stack of matrices over its first dim (MoE experts
+    ``[experts, out, in]``), each orthogonalised and scaled on its own; a 4-D one (a convolution
+    filter) is one ``(shape[0], rest)`` matrix. ``num_heads`` (per-head Muon, DeepSpeed's
+    ``per_head_muon``; usually set per param group, since queries and keys have different head
+    counts) orthogonalises each of ``num_heads`` row blocks of a 2-D attention projection on its own.
 
     Defaults are DeepSpeed 0.19.8's Muon: lr 0.02, momentum 0.95 with Nesterov, 5 Newton-Schulz
     steps of the classic quintic, the Gram method, no weight decay, the sqrt(max(1, rows/cols))
@@ -273,11 +278,13 @@ class Muon(_MatrixOptimizer):
       ``torch.optim.Muon`` against ours with ``ns_dtype='bfloat16'`` (it normalises in bf16 and
       fuses addmm), ~4e-2: bf16's resolution amplified by the iteration. In fp32 the iteration
       agrees with a float64 run of itself to ~6e-6.
-    * Tensors of more than 2 dims are viewed as (shape[0], rest) for the iteration and for the
-      lr scale; ``torch.optim.Muon`` accepts only 2-D, DeepSpeed batches 3-D over dim 0.
-    * ``batch_same_shape=True`` stacks same-shape matrices into one batched iteration; on the
-      CPU batched matmuls are not slice-identical to single ones, so it trades the bit-exact
-      independence above for fewer launches and is off by default.
+    * Each matrix of a 3-D stack (or each head) gets the bit-exact result of orthogonalising it
+      alone (one call per matrix). 4-D filters take their lr scale from ``(out, in*kh*kw)``;
+      DeepSpeed's ``muon_update`` takes it from the kernel's ``kh/kw`` (1 for square kernels).
+      ``torch.optim.Muon`` accepts only 2-D.
+    * ``batch_same_shape=True`` stacks same-shape matrices (and the matrices of a stack) into one
+      batched iteration; on the CPU batched matmuls are not slice-identical to single ones, so
+      it trades the bit-exact independence above for fewer launches and is off by default.
     """
 
     matrix_kind = "muon"
@@ -286,13 +293,14 @@ class Muon(_MatrixOptimizer):
                  ns_steps: int = 5, ns_method: str = "gram",
                  ns_coefficients: str | tuple[float, float, float] = "quintic", ns_dtype: str | None = None,
                  gram_restart_steps: tuple[int, ...] = (2,), weight_decay: float = 0.0, lr_scaling: str = "original",
-                 batch_same_shape: bool = False, adam_lr: float | None = None,
+                 batch_same_shape: bool = False, num_heads: int | None = None, adam_lr: float | None = None,
                  adam_betas: tuple[float, float] = (0.9, 0.95), adam_eps: float = 1e-10,
                  adam_weight_decay: float | None = None) -> None:
         super().__init__(params, dict(
             lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, ns_method=ns_method,
             ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, gram_restart_steps=gram_restart_steps,
-            weight_decay=weight_decay, lr_scaling=lr_scaling, batch_same_shape=batch_same_shape, adam_lr=adam_lr,
+            weight_decay=weight_decay, lr_scaling=lr_scaling, batch_same_shape=batch_same_shape, num_heads=num_heads,
+            adam_lr=adam_lr,
             adam_betas=adam_betas, adam_eps=adam_eps, adam_weight_decay=adam_weight_decay))
 
     def _default_adam_lr(self, settings: Mapping[str, Any]) -> float:

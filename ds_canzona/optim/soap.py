@@ -38,6 +38,7 @@ from ds_canzona.optim.base import (
     check_int,
     matrix_shape,
     new_step,
+    refuse_expert_stack,
     register_rule,
     require_matrix,
     state_dtype,
@@ -101,8 +102,13 @@ class SOAPRule(RuleBase):
         rows, cols = matrix_shape(shape)
         return rows <= self.max_precond_dim, cols <= self.max_precond_dim
 
+    def check_shape(self, shape: tuple[int, ...]) -> None:
+        super().check_shape(shape)
+        refuse_expert_stack(self.kind, shape)
+
     def init_state(self, param: Tensor) -> dict[str, Tensor]:
         require_matrix(self.kind, param)
+        self.check_shape(tuple(param.shape))
         dtype = state_dtype(param)
         rows, cols = matrix_shape(param.shape)
         state = {

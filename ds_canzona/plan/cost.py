@@ -20,8 +20,10 @@ The FLOP counts are exact for the algorithms as written in each docstring; what 
 is kernel efficiency (a small matrix runs further from peak than a big one), which matters little
 for balance, since it is the big matrices that set the busiest rank.
 
-Matrices with more than two dims (convolutions) are flattened to ``(shape[0], prod(shape[1:]))``,
-as Muon does. A tensor-parallel shard costs its full matrix's work divided by ``tp_size``: its TP
+A 3-D tensor is priced as ``shape[0]`` matrices of ``shape[1] x shape[2]`` (MoE experts, each
+updated on its own), a per-head spec as ``heads`` matrices of ``rows / heads`` rows, and 4 or more
+dims as one ``(shape[0], prod(shape[1:]))`` matrix (convolutions), as the optimizers update them
+(``ParamSpec.matrix_stack``). A tensor-parallel shard costs its full matrix's work divided by ``tp_size``: its TP
 group computes the full update once, on one host rank, so on average each member carries 1/tp_size.
 """
 
@@ -225,14 +227,15 @@ def _adamw_work(numel: int) -> StepWork:
 
 
 def _muon_work(shape: tuple[int, ...], *, ns_steps: int = 5, ns_method: str = "gram") -> StepWork:
-    rows, cols = _as_matrix(shape)
-    return StepWork(newton_schulz_flops(rows, cols, steps=ns_steps, method=ns_method),
-                    float(_MUON_ELEMENTWISE_FLOPS * rows * cols), float(_MUON_ACCESSES_PER_ELEMENT * rows * cols))
+    count, rows, cols = _matrix_stack(shape)
+    return _times(count, StepWork(newton_schulz_flops(rows, cols, steps=ns_steps, method=ns_method),
+                                  float(_MUON_ELEMENTWISE_FLOPS * rows * cols),
+                                  float(_MUON_ACCESSES_PER_ELEMENT * rows * cols)))
 
 
 def _shampoo_work(shape: tuple[int, ...], *, precondition_frequency: int = 100,
                   max_preconditioner_dim: int = 1024) -> StepWork:
-    rows, cols = _as_matrix(shape)
+    count, rows, cols = _matrix_stack(shape)
     matmul = elementwise = accesses = 0.0
     for a, a_count in _blocks(rows, max_preconditioner_dim):
         for b, b_count in _blocks(cols, max_preconditioner_dim):
@@ -245,12 +248,12 @@ def _shampoo_work(shape: tuple[int, ...], *, precondition_frequency: int = 100,
             elementwise += blocks * (3 * a * a + 3 * b * b + (a * a + b * b) / precondition_frequency
                                      + (ADAMW_FLOPS_PER_ELEMENT + 5) * a * b)
             accesses += blocks * (_EMA_ACCESSES * (a * a + b * b) + _SHAMPOO_ACCESSES_PER_ELEMENT * a * b)
-    return StepWork(matmul, elementwise, accesses)
+    return _times(count, StepWork(matmul, elementwise, accesses))
 
 
 def _soap_work(shape: tuple[int, ...], *, precondition_frequency: int = 10,
                max_preconditioner_dim: int = 10000) -> StepWork:
-    rows, cols = _as_matrix(shape)
+    count, rows, cols = _matrix_stack(shape)
     a = rows if rows <= max_preconditioner_dim else 0
     b = cols if cols <= max_preconditioner_dim else 0
     rotation = 2 * a * a * cols + 2 * rows * b * b
@@ -259,7 +262,7 @@ def _soap_work(shape: tuple[int, ...], *, precondition_frequency: int = 10,
     elementwise = 3 * a * a + 3 * b * b + ADAMW_FLOPS_PER_ELEMENT * rows * cols + rows * cols / precondition_frequency
     accesses = (_EMA_ACCESSES * (a * a + b * b) + ADAMW_ACCESSES_PER_ELEMENT * rows * cols
                 + 2 * rows * cols / precondition_frequency)
-    return StepWork(float(matmul), float(elementwise), float(accesses))
+    return _times(count, StepWork(float(matmul), float(elementwise), float(accesses)))
 
 
 _OPTIMIZER_WORK: dict[str, Callable[..., StepWork]] = {"muon": _muon_work, "shampoo": _shampoo_work,
@@ -270,7 +273,7 @@ def optimizer_work(spec: ParamSpec, optimizer: str = "muon", **options: Any) -> 
     """The work of one step on ``spec``: ``optimizer`` for a matrix, AdamW otherwise (TP: 1/tp_size each)."""
     if not spec.matrix:
         return _adamw_work(spec.numel)
-    work = _OPTIMIZER_WORK[optimizer](spec.full_shape, **options)
+    work = _OPTIMIZER_WORK[optimizer](spec.matrix_stack, **options)
     return StepWork(work.matmul_flops / spec.tp_size, work.elementwise_flops / spec.tp_size,
                     work.elementwise_accesses / spec.tp_size)
 
@@ -331,7 +334,7 @@ class FlopsCost:
     def cost(self, spec: ParamSpec) -> float:
         if not spec.matrix:
             return adamw_flops(spec.numel)
-        flops = _OPTIMIZER_FLOPS[self.optimizer](spec.full_shape, **dict(self.options))
+        flops = _OPTIMIZER_FLOPS[self.optimizer](spec.matrix_stack, **dict(self.options))
         return flops / spec.tp_size
 
 
@@ -390,10 +393,20 @@ def cost_model(name: str = "flops", optimizer: str = "muon", *, machine_balance:
     raise PlanError(f"Invalid cost model name={name!r}: must be one of {', '.join(map(repr, COST_MODELS))}.")
 
 
-def _as_matrix(shape: tuple[int, ...]) -> tuple[int, int]:
+def _matrix_stack(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """(count, rows, cols): a 3-D shape is a stack of matrices, 2 or >= 4 dims one (shape[0], rest) matrix."""
     if len(shape) < 2:
         raise PlanError(f"A matrix optimizer needs a tensor with 2 or more dims, got shape {shape}.")
-    return shape[0], math.prod(shape[1:])
+    if len(shape) == 3:
+        return shape[0], shape[1], shape[2]
+    return 1, shape[0], math.prod(shape[1:])
+
+
+def _times(count: int, work: StepWork) -> StepWork:
+    """The work of ``count`` independent matrices of the same shape."""
+    if count == 1:
+        return work
+    return StepWork(count * work.matmul_flops, count * work.elementwise_flops, count * work.elementwise_accesses)
 
 
 def _blocks(size: int, max_dim: int) -> list[tuple[int, int]]:

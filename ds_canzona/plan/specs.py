@@ -44,6 +44,11 @@ class ParamSpec:
     ``shape`` is the local shape: for a tensor-parallel shard it is the shard's shape, and the full
     matrix has ``shape[tp_dim] * tp_size`` rows (or columns) along ``tp_dim``. ``matrix`` says
     whether a matrix optimizer (Muon, Shampoo, SOAP) updates it; the rest go to AdamW.
+
+    Which matrices a matrix tensor is updated as (priced by ``matrix_stack``): a 3-D tensor is a
+    stack of ``shape[0]`` matrices (MoE experts), each its own; 4 or more dims are one
+    ``(shape[0], rest)`` matrix (a convolution filter). ``heads`` > 1 (per-head Muon) makes a 2-D
+    matrix ``heads`` matrices of ``shape[0] / heads`` rows. The tensor is owned whole either way.
     """
 
     name: str
@@ -51,6 +56,7 @@ class ParamSpec:
     matrix: bool
     tp_dim: int | None = None
     tp_size: int = 1
+    heads: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -71,6 +77,11 @@ class ParamSpec:
             raise PlanError(f"Invalid ParamSpec.tp_size={self.tp_size!r} for {self.name!r}: must be an int >= 1.")
         if self.tp_dim is not None and not (isinstance(self.tp_dim, int) and 0 <= self.tp_dim < len(shape)):
             raise PlanError(f"Invalid ParamSpec.tp_dim={self.tp_dim!r} for {self.name!r}: must index shape {shape}.")
+        if isinstance(self.heads, bool) or not isinstance(self.heads, int) or self.heads < 1:
+            raise PlanError(f"Invalid ParamSpec.heads={self.heads!r} for {self.name!r}: must be an int >= 1.")
+        if self.heads > 1 and (not self.matrix or len(shape) != 2 or shape[0] % self.heads):
+            raise PlanError(f"Invalid ParamSpec.heads={self.heads} for {self.name!r}: per-head matrices are 2-D "
+                            f"matrices whose rows split evenly into heads, got shape {shape}.")
         if self.tp_size > 1 and self.tp_dim is None:
             raise PlanError(
                 f"Invalid ParamSpec.tp_dim=None for {self.name!r}: tp_size={self.tp_size} needs a split dim."
@@ -92,11 +103,24 @@ class ParamSpec:
         dims[self.tp_dim] *= self.tp_size
         return tuple(dims)
 
+    @property
+    def matrix_stack(self) -> tuple[int, int, int]:
+        """(count, rows, cols) of the matrices a matrix optimizer updates this (whole) tensor as."""
+        shape = self.full_shape
+        if len(shape) < 2:
+            raise PlanError(f"A matrix optimizer needs a tensor with 2 or more dims, got shape {shape}.")
+        if len(shape) == 3:
+            return shape
+        rows, cols = shape[0], math.prod(shape[1:])
+        return self.heads, rows // self.heads, cols
+
     def to_dict(self) -> dict[str, Any]:
         entry: dict[str, Any] = {"name": self.name, "shape": list(self.shape), "matrix": self.matrix}
         if self.tp_size > 1:
             entry["tp_dim"] = self.tp_dim
             entry["tp_size"] = self.tp_size
+        if self.heads > 1:
+            entry["heads"] = self.heads
         return entry
 
 
@@ -111,7 +135,7 @@ def default_matrix_rule(name: str, shape: Sequence[int]) -> bool:
 
 
 def specs_from_entries(entries: Iterable[Mapping[str, Any]], matrix_rule: MatrixRule | None = None) -> list[ParamSpec]:
-    """Specs from dicts with ``name``, ``shape`` and optionally ``matrix``, ``tp_dim``, ``tp_size``.
+    """Specs from dicts with ``name``, ``shape`` and optionally ``matrix``, ``tp_dim``, ``tp_size``, ``heads``.
 
     An explicit ``matrix_rule`` decides for every entry; without one an entry's own ``matrix`` flag
     wins, and the default rule fills in where it is missing.
@@ -120,7 +144,7 @@ def specs_from_entries(entries: Iterable[Mapping[str, Any]], matrix_rule: Matrix
     for position, entry in enumerate(entries):
         if not isinstance(entry, Mapping):
             raise PlanError(f"Invalid shapes entry #{position}: expected an object, got {type(entry).__name__}.")
-        unknown = set(entry) - {"name", "shape", "matrix", "tp_dim", "tp_size"}
+        unknown = set(entry) - {"name", "shape", "matrix", "tp_dim", "tp_size", "heads"}
         if unknown:
             raise PlanError(f"Invalid shapes entry #{position}: unknown field(s) {sorted(unknown)}.")
         for key in ("name", "shape"):
@@ -143,6 +167,7 @@ def specs_from_entries(entries: Iterable[Mapping[str, Any]], matrix_rule: Matrix
                 matrix=matrix,
                 tp_dim=entry.get("tp_dim"),
                 tp_size=entry.get("tp_size", 1),
+                heads=entry.get("heads", 1),
             )
         )
     _check_specs(specs)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ds_canzona.config import MATRIX_OPTIMIZERS, CanzonaConfigError
+from ds_canzona.plan import CostModel, ParamSpec
 
 # DeepSpeed's Muon config keys and what they mean for ds_canzona's Muon: the shared lr and
 # weight_decay apply to both halves unless muon_lr / adam_lr say otherwise; betas and eps are the
@@ -12,12 +16,15 @@ from ds_canzona.config import MATRIX_OPTIMIZERS, CanzonaConfigError
 # their own, so there the auxiliary AdamW's are spelled adam_betas / adam_eps.
 _ADAM_KEYS = {"betas": "adam_betas", "eps": "adam_eps"}
 _IGNORED_KEYS = {"adam_w_mode", "torch_adam", "fp32_optimizer_states"}
+# Read here, not passed to the optimizer class: per-head Muon comes from DeepSpeed's head tags.
+_PER_HEAD_KEY = "per_head_muon"
 
 
 def translate_optimizer_params(name: str, params: dict[str, Any]) -> dict[str, Any]:
     """DeepSpeed-style ``optimizer.params`` -> keyword arguments of the ds_canzona optimizer class."""
     kwargs: dict[str, Any] = {}
     params = dict(params or {})
+    params.pop(_PER_HEAD_KEY, None)
     shared_lr = params.pop("lr", None)
     muon_lr = params.pop("muon_lr", None)
     adam_lr = params.pop("adam_lr", None)
@@ -41,8 +48,94 @@ def translate_optimizer_params(name: str, params: dict[str, Any]) -> dict[str, A
     return kwargs
 
 
-def optimizer_from_config(engine):
-    """The ds_canzona optimizer named by the config's "optimizer" section, over the engine's model."""
+def translate_group_keys(name: str, group: dict[str, Any]) -> dict[str, Any]:
+    """One incoming param group's own keys -> overrides of the optimizer class's keywords.
+
+    DeepSpeed 0.19.8's ``_muon_param_groups`` splits each group into a Muon and an Adam half and
+    lets the group's keys override the config's, most specific last: a group's ``lr`` and
+    ``weight_decay`` set both halves (over ``muon_lr`` / ``adam_lr``), ``momentum`` and
+    ``ns_method`` the Muon half, ``betas`` and ``eps`` the Adam half. A key that is already one
+    of the class's keywords (``adam_lr``, ``ns_steps``, ...) keeps that meaning. Shampoo and SOAP
+    read ``lr`` and ``weight_decay`` the same way; their ``betas`` / ``eps`` are their own.
+    """
+    out: dict[str, Any] = {}
+    # The shared lr and weight_decay first, so a group's own adam_lr / adam_weight_decay wins.
+    for key in sorted(group, key=lambda k: k not in ("lr", "weight_decay")):
+        value = group[key]
+        if key == "params":
+            continue
+        if name != "adamw" and key == "lr":
+            out.update(lr=value, adam_lr=value)
+        elif name != "adamw" and key == "weight_decay":
+            out.update(weight_decay=value, adam_weight_decay=value)
+        elif name == "muon" and key in _ADAM_KEYS:
+            out[_ADAM_KEYS[key]] = tuple(value) if key == "betas" else value
+        elif key == "betas":
+            out[key] = tuple(value)
+        else:
+            out[key] = value
+    return out
+
+
+def named_parameter_groups(engine, model_parameters) -> list[dict[str, Any]]:
+    """``model_parameters`` as param groups of (name, parameter) pairs, names from the engine's module.
+
+    Groups (dicts) keep their keys; loose tensors form one more group after them, as in
+    DeepSpeed's ``_muon_param_groups``. ``None`` means every parameter of the module. Names are
+    what the matrix rule reads (embeddings and the head stay on AdamW) and what checkpoints key
+    the state by, so a parameter that is not the module's is an error.
+    """
+    names = {param: name for name, param in engine.module.named_parameters()}
+    if model_parameters is None:
+        model_parameters = list(engine.module.parameters())
+    items = [model_parameters] if isinstance(model_parameters, dict) else list(model_parameters)
+    groups = [dict(item) for item in items if isinstance(item, dict)]
+    loose = [item for item in items if not isinstance(item, dict)]
+    if loose or not groups:
+        groups.append({"params": loose})
+    for index, group in enumerate(groups):
+        params = group.get("params")
+        params = [params] if isinstance(params, torch.Tensor) else list(params or [])
+        named = []
+        for param in params:
+            if isinstance(param, tuple):  # already (name, tensor)
+                param = param[1]
+            if param not in names:
+                raise CanzonaConfigError(f"model_parameters group {index} holds a tensor of shape {tuple(param.shape)} "
+                                         "that is not a parameter of the model; ds_canzona keys optimizer state "
+                                         "by parameter name, so pass the model's own parameters")
+            named.append((names[param], param))
+        group["params"] = named
+    return groups
+
+
+def _split_by_head_count(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each group split by DeepSpeed's per-head tags: tagged projections get a ``num_heads`` group.
+
+    ``deepspeed.initialize`` tags every parameter with ``muon_num_heads`` when the config asks
+    for ``per_head_muon`` (DeepSpeed's own rule: q/k/v projections whose rows are heads x
+    head_dim by the model's config; None elsewhere), and refuses a config under which nothing
+    could be tagged. Reading its tags keeps ds_canzona's choice of heads identical to DeepSpeed's.
+    """
+    out = []
+    for group in groups:
+        by_heads: dict[int | None, list] = {}
+        for name, param in group["params"]:
+            by_heads.setdefault(getattr(param, "muon_num_heads", None), []).append((name, param))
+        for heads in sorted(by_heads, key=lambda h: -1 if h is None else h):
+            split = {**group, "params": by_heads[heads]}
+            if heads is not None:
+                split["num_heads"] = int(heads)
+            out.append(split)
+    return out
+
+
+def optimizer_from_config(engine, model_parameters=None):
+    """The ds_canzona optimizer named by the config's "optimizer" section, over ``model_parameters``.
+
+    ``model_parameters`` is what ``deepspeed.initialize`` got (tensors or param groups; None: the
+    whole module); trainable parameters only, as DeepSpeed's Muon does.
+    """
     from ds_canzona import optim
 
     name = (engine.optimizer_name() or "").lower()
@@ -51,23 +144,97 @@ def optimizer_from_config(engine):
     if name not in classes:
         raise CanzonaConfigError(f"the 'canzona' section needs an optimizer of type Muon, Shampoo, SOAP or AdamW "
                                  f"(in the config or as a ds_canzona.optim client optimizer), got {name!r}")
-    kwargs = translate_optimizer_params("adamw" if name == "adam" else name, engine.optimizer_params() or {})
-    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    name = "adamw" if name == "adam" else name
+    config_params = engine.optimizer_params() or {}
+    kwargs = translate_optimizer_params(name, config_params)
+    groups = named_parameter_groups(engine, model_parameters)
+    for group in groups:
+        group["params"] = [(n, p) for n, p in group["params"] if p.requires_grad]
+    groups = [group for group in groups if group["params"]]
+    if config_params.get(_PER_HEAD_KEY, False):
+        if name != "muon":
+            raise CanzonaConfigError(f"optimizer.params.{_PER_HEAD_KEY} applies to Muon only, not {name}")
+        params = [p for group in groups for _, p in group["params"]]
+        if not any(hasattr(p, "muon_num_heads") for p in params):
+            raise CanzonaConfigError(f"optimizer.params.{_PER_HEAD_KEY} is set but DeepSpeed tagged no parameter "
+                                     "with a head count (deepspeed.initialize does so for a Muon config); build "
+                                     "the engine with deepspeed.initialize, or give ds_canzona.optim.Muon param "
+                                     "groups with 'num_heads' as a client optimizer")
+        groups = _split_by_head_count(groups)
     try:
-        return classes[name](named, **kwargs)
+        overrides = [{"params": group["params"], **translate_group_keys(name, group)} for group in groups]
+        return classes[name](overrides, **kwargs)
     except (TypeError, ValueError) as error:
-        raise CanzonaConfigError(f"invalid optimizer.params for {name}: {error}") from None
+        raise CanzonaConfigError(f"invalid optimizer.params or param group for {name}: {error}") from None
 
 
-def build_canzona_optimizer(engine, client_optimizer):
-    """(basic optimizer, ZeRO optimizer) for an engine whose config enables ``canzona``."""
+@dataclass(frozen=True)
+class PerGroupCost:
+    """Prices each matrix with its own param group's cost model (groups whose rules price differently).
+
+    Param groups that differ only in lr or weight decay share one model; groups with another
+    Newton-Schulz method, step count or Shampoo/SOAP setting each price their own matrices.
+    Everything else (AdamW tensors and their pieces) is priced alike by every model.
+    """
+
+    by_name: dict[str, CostModel]
+    default: CostModel
+    name: str
+    label: str
+
+    def cost(self, spec: ParamSpec) -> float:
+        return self.by_name.get(spec.name, self.default).cost(spec)
+
+
+def plan_cost_model(config, names: list[str], groups: list[dict], device_name: str) -> CostModel:
+    """The planner's cost model for tensors ``names`` whose param groups are ``groups`` (one each).
+
+    Built from the config and the device kind, never measured here: every rank must plan alike.
+    """
+    from ds_canzona.optim import rule_for_group
+    from ds_canzona.plan import cost_model, default_machine_balance
+
+    kind = config.cost_model
+    if kind == "numel":
+        return cost_model("numel")
+    options = {}
+    if kind == "roofline":
+        options["machine_balance"] = config.machine_balance or default_machine_balance(device_name)
+    models: dict[tuple, CostModel] = {}
+    by_name: dict[str, CostModel] = {}
+    for name, group in zip(names, groups):
+        if group["kind"] == "adamw":
+            continue
+        # Priced with the group's own settings (Newton-Schulz steps and method, Shampoo's refresh
+        # period, ...), so the plan balances what will actually run.
+        settings = rule_for_group(group).cost_options()
+        key = (group["kind"], tuple(sorted(settings.items())))
+        if key not in models:
+            models[key] = cost_model(kind, optimizer=group["kind"], **options, **settings)
+        by_name[name] = models[key]
+    if len(models) <= 1:
+        return next(iter(models.values()), None) or cost_model(kind, **options)
+    default = next(iter(models.values()))
+    label = "+".join(model.label for model in models.values())
+    return PerGroupCost(by_name=by_name, default=default, name=kind, label=label)
+
+
+def build_canzona_optimizer(engine, client_optimizer, model_parameters=None):
+    """(basic optimizer, ZeRO optimizer) for an engine whose config enables ``canzona``.
+
+    ``model_parameters`` is what ``deepspeed.initialize`` got. A callable client optimizer
+    receives it as DeepSpeed would pass it, but with every tensor as a (name, parameter) pair,
+    so the matrix rule sees the names (embeddings and the head on AdamW).
+    """
     from ds_canzona.zero.stage12 import CanzonaZeroOptimizer
 
     config = engine._canzona_config
     if client_optimizer is None:
-        basic = optimizer_from_config(engine)
+        basic = optimizer_from_config(engine, model_parameters)
     elif callable(client_optimizer) and not hasattr(client_optimizer, "param_groups"):
-        basic = client_optimizer(list(engine.module.parameters()))
+        groups = named_parameter_groups(engine, model_parameters)
+        given_groups = model_parameters is not None and any(isinstance(item, dict) for item in model_parameters)
+        basic = client_optimizer(groups if given_groups else groups[0]["params"])
     else:
         basic = client_optimizer
     if not all("kind" in group for group in getattr(basic, "param_groups", [])):
@@ -98,4 +265,5 @@ def build_canzona_optimizer(engine, client_optimizer):
     return basic, zero
 
 
-__all__ = ["build_canzona_optimizer", "optimizer_from_config", "translate_optimizer_params", "MATRIX_OPTIMIZERS"]
+__all__ = ["PerGroupCost", "build_canzona_optimizer", "plan_cost_model", "named_parameter_groups", "optimizer_from_config", "translate_group_keys",
+           "translate_optimizer_params", "MATRIX_OPTIMIZERS"]

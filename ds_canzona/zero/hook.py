@@ -97,7 +97,7 @@ def _wrap_configure_optimizer(original):
         from ds_canzona.zero.build import build_canzona_optimizer
         from ds_canzona.zero.timeouts import apply_comm_timeout
         apply_comm_timeout(self, self._canzona_config.comm_timeout_s)
-        self.basic_optimizer, self.optimizer = build_canzona_optimizer(self, client_optimizer)
+        self.basic_optimizer, self.optimizer = build_canzona_optimizer(self, client_optimizer, model_parameters)
 
     return _configure_optimizer
 

@@ -35,7 +35,7 @@ from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
 from ds_canzona.config import CanzonaConfig
 from ds_canzona.optim import rule_for_group
 from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
-from ds_canzona.plan import CostModel, DPPlan, ParamSpec, cost_model, default_machine_balance, plan_dp_partitions
+from ds_canzona.plan import CostModel, DPPlan, ParamSpec, plan_dp_partitions
 from ds_canzona.zero.comm import CommCounter, all_gather_uneven, all_reduce_sum, reduce_scatter_uneven
 
 # Stage 2 reduce-scatters launched and not yet waited on. One is not enough on a busy host: the
@@ -146,28 +146,16 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
 
     # ------------------------------------------------------------------ planning
     def _make_plan(self, bucket_numel: int) -> DPPlan:
-        specs = [ParamSpec(name=name, shape=tuple(p.shape), matrix=group["kind"] != "adamw")
+        specs = [ParamSpec(name=name, shape=tuple(p.shape), matrix=group["kind"] != "adamw",
+                           heads=rule_for_group(group).plan_heads())
                  for name, p, group in zip(self.names, self.params, self.groups)]
         return plan_dp_partitions(specs, world_size=self.world_size, bucket_numel=bucket_numel,
                                   alpha=self.config.alpha, strategy=self.config.strategy,
                                   cost=self._plan_cost_model(), split_numel=self.config.split_numel)
 
     def _plan_cost_model(self) -> CostModel:
-        name = self.config.cost_model
-        if name == "numel":
-            return cost_model("numel")
-        options = {}
-        if name == "roofline":
-            # From the config or the device kind, never measured here: every rank must plan alike.
-            options["machine_balance"] = (self.config.machine_balance
-                                          or default_machine_balance(get_accelerator().device_name()))
-        matrix_groups = [g for g in self.optimizer.param_groups if g["kind"] != "adamw"]
-        if not matrix_groups:
-            return cost_model(name, **options)
-        # Priced with the matrix group's own settings (Newton-Schulz steps and method, Shampoo's
-        # refresh period, ...), so the plan balances what will actually run.
-        rule = rule_for_group(matrix_groups[0])
-        return cost_model(name, optimizer=matrix_groups[0]["kind"], **options, **rule.cost_options())
+        from ds_canzona.zero.build import plan_cost_model  # each matrix priced by its own group's rule
+        return plan_cost_model(self.config, self.names, self.groups, get_accelerator().device_name())
 
     def _check_plan_agreement(self) -> None:
         """Compare the plan's digest across ranks before any other collective."""
