@@ -72,15 +72,18 @@ class MemoryCapError(PlanError):
     """No plan keeps every rank's state under ``max_state_bytes_per_rank``.
 
     ``smallest`` is the busiest-rank memory of the best plan found with no limit on step time;
-    ``bound`` and ``tensor`` the lower bound no plan can beat and the item (or "the average") that sets it.
+    ``bound`` the lower bound no plan can beat, set by ``tensor`` (one item alone) or, when
+    ``tensor`` is None, by the average over the ranks.
     """
 
-    def __init__(self, *, cap: int, smallest: float, bound: float, tensor: str) -> None:
+    def __init__(self, *, cap: int, smallest: float, bound: float, tensor: str | None, world_size: int) -> None:
         self.cap, self.smallest, self.bound, self.tensor = cap, smallest, bound, tensor
+        reason = (f"{tensor!r} alone needs {math.ceil(bound):,} bytes" if tensor is not None
+                  else f"the average over {world_size} ranks is {math.ceil(bound):,} bytes")
         super().__init__(
             f"max_state_bytes_per_rank={cap:,} cannot be met: the smallest busiest-rank state the planner "
-            f"reaches is {math.ceil(smallest):,} bytes; {tensor} alone needs {math.ceil(bound):,} bytes. "
-            f"Raise the cap to at least {math.ceil(smallest):,}, add ranks, or shard further."
+            f"reaches is {math.ceil(smallest):,} bytes ({reason}). Raise the cap to at least "
+            f"{math.ceil(smallest):,}, or use more ranks."
         )
 
 
@@ -542,9 +545,9 @@ def _cap_error(specs: Sequence[ParamSpec], item_bytes: Sequence[float], world: i
     largest = max(range(len(specs)), key=lambda i: (item_bytes[i], -i))
     average = sum(item_bytes) / world
     if item_bytes[largest] >= average:
-        return MemoryCapError(cap=cap, smallest=smallest, bound=item_bytes[largest], tensor=repr(specs[largest].name))
-    return MemoryCapError(cap=cap, smallest=smallest, bound=average,
-                          tensor=f"the average over {world} ranks (all {len(specs)} items)")
+        return MemoryCapError(cap=cap, smallest=smallest, bound=item_bytes[largest], tensor=specs[largest].name,
+                              world_size=world)
+    return MemoryCapError(cap=cap, smallest=smallest, bound=average, tensor=None, world_size=world)
 
 
 def _ratio(values: Sequence[float], total: float, world: int) -> float:
