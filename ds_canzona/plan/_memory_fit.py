@@ -27,6 +27,7 @@ local search alone, which respects the caps.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,9 +39,14 @@ FIT_TOLERANCE = 1e-3
 # Two loads within this relative distance count as the same makespan (rounding).
 SAME_MAKESPAN = 1e-9
 # Plans whose makespan is within this fraction of the best one found count as equally fast: memory
-# decides among them. Small against the 2% by which the packers may miss LPT, large enough that a
-# 0.1% faster plan does not win at three times the memory.
+# decides among them (a 0.1% faster plan should not win at three times the memory).
 MAKESPAN_TOLERANCE = 0.005
+# When the busiest rank's memory is above MEMORY_OVER_AVERAGE x the average and MEMORY_OVER_LARGEST
+# x the largest item, the makespan may rise, up to MAKESPAN_OVER_LPT above unconstrained LPT on the
+# same items (and never above the cost portfolio's plan), to the least makespan that gets it there.
+MEMORY_OVER_AVERAGE = 1.25
+MEMORY_OVER_LARGEST = 1.05
+MAKESPAN_OVER_LPT = 0.02
 # Sand worth less than this fraction of an average rank (in cost and in memory) cannot change
 # either criterion much: the rock-only portfolio is not run for it (it keeps large inputs fast).
 SAND_WORTH_PACKING = 0.25
@@ -237,16 +243,25 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
     pourable = not problem.capped and rocks and len(rocks) < len(sand)
     if pourable and _sand_matters(problem, memory, sand):
         rock_plans.append(_rocks_alone(problem, rocks))
+        for lead, trail in _kept_ranks(problem, sand):
+            rock_plans.append(_rocks_alone(problem, rocks, lead=lead, trail=trail))
         grained = _grained(problem, sand, GRAIN_FRACTION * sum(problem.costs) / world)
         rock_plans.append(grained)
         candidates.append(grained)
+        # Sand weighed by its bytes, in cost units (an average rank's bytes weigh an average rank's cost).
+        exchange = sum(problem.costs) / total_memory if total_memory > 0 else 0.0
+        rock_plans.append(_grained(problem, sand, GRAIN_FRACTION * sum(problem.costs) / world,
+                                   [exchange * m for m in memory]))
     pourings = [_Pouring(problem, memory, sand, owner) for owner in rock_plans] if pourable else []
     for pouring in pourings:
         candidates.append(pouring.fewest_cost(problem.lower_bound()))
-    # The makespan to keep: the best found, give or take MAKESPAN_TOLERANCE, and never above the
-    # cost portfolio's own plan (the planner before memory was a criterion).
+    # The makespan: the best found (give or take MAKESPAN_TOLERANCE); up to the budget if that buys
+    # memory down to the target, never above the cost portfolio's own plan (see the module docstring).
     best_makespan = min(_max_load(world, owner, problem.costs) for owner in candidates)
-    makespan = min(_max_load(world, cost_owner, problem.costs), best_makespan * (1.0 + MAKESPAN_TOLERANCE))
+    portfolio_makespan = _max_load(world, cost_owner, problem.costs)
+    makespan = min(portfolio_makespan, best_makespan * (1.0 + MAKESPAN_TOLERANCE))
+    budget = min(portfolio_makespan, max(makespan, (1.0 + MAKESPAN_OVER_LPT) * _lpt_makespan(problem.costs, world)))
+    memory_target = max(MEMORY_OVER_AVERAGE * total_memory / world, MEMORY_OVER_LARGEST * max(memory, default=0.0))
 
     def best_at(capacity: float) -> tuple[list[int], float]:
         options = [owner for owner in candidates if _max_load(world, owner, problem.costs) <= capacity * (1 + SAME_MAKESPAN)]
@@ -266,6 +281,20 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
         return chosen[1], chosen[0]
 
     owner, peak = best_at(makespan)
+    if peak > memory_target and budget > makespan * (1.0 + FIT_TOLERANCE):
+        # Buy memory with step time, within the budget: the least makespan that reaches the target,
+        # or, if none does, the budget's own plan when it holds less memory.
+        loose, loose_peak = best_at(budget)
+        if loose_peak < peak:
+            low, high = makespan, budget
+            owner, peak = loose, loose_peak
+            while loose_peak <= memory_target and high > low * (1.0 + FIT_TOLERANCE):
+                middle = (low + high) / 2.0
+                trial, trial_peak = best_at(middle)
+                if trial_peak <= memory_target:
+                    owner, peak, high = trial, trial_peak, middle
+                else:
+                    low = middle
     if memory_cap is None or peak <= memory_cap:
         return FitResult(owner=owner, makespan=_max_load(world, owner, problem.costs), peak_memory=peak)
 
@@ -300,8 +329,12 @@ class MemoryCapUnreachable(Exception):
         self.peak_memory = peak_memory
 
 
-def _rocks_alone(problem: Problem, rocks: list[int]) -> list[int]:
-    """Owners of the rocks from the cost portfolio run on the rocks alone (sand left at rank 0)."""
+def _rocks_alone(problem: Problem, rocks: list[int], *, lead: int = 0, trail: int = 0) -> list[int]:
+    """Owners of the rocks from the cost portfolio run on the rocks alone (sand left at rank 0).
+
+    With ``lead`` (``trail``), the rocks use only ranks ``lead .. R - 1 - trail``: the first (last)
+    ranks are kept for the sand ahead of (behind) the rocks of a bucket, which can go nowhere else.
+    """
     position = {item: index for index, item in enumerate(rocks)}
     buckets = []
     for first, stop in problem.buckets:
@@ -309,20 +342,48 @@ def _rocks_alone(problem: Problem, rocks: list[int]) -> list[int]:
         if inside:
             buckets.append((inside[0], inside[-1] + 1))
     rock_owner = balance([problem.numels[i] for i in rocks], [problem.costs[i] for i in rocks], buckets,
-                         problem.world, 1.0)
+                         problem.world - lead - trail, 1.0)
     owner = [0] * len(problem.numels)
     for index, item in enumerate(rocks):
-        owner[item] = rock_owner[index]
+        owner[item] = rock_owner[index] + lead
     return owner
 
 
-def _grained(problem: Problem, sand: Sequence[bool], grain_cost: float) -> list[int]:
+def _kept_ranks(problem: Problem, sand: Sequence[bool]) -> list[tuple[int, int]]:
+    """(lead, trail) rank counts worth keeping for the sand at the ends of buckets that hold rocks.
+
+    Sand ahead of a bucket's first rock can only go to ranks up to that rock's owner (behind its
+    last rock, from that owner on); the counts tried are what that sand's cost fills, rounded
+    down and up.
+    """
+    costs, world = problem.costs, problem.world
+    average = sum(costs) / world
+    ahead = behind = 0.0
+    for first, stop in problem.buckets:
+        rocks = [item for item in range(first, stop) if not sand[item]]
+        if not rocks:
+            continue
+        ahead += sum(costs[first:rocks[0]])
+        behind += sum(costs[rocks[-1] + 1:stop])
+    options: set[tuple[int, int]] = set()
+    for lead in {int(ahead // average), int(-(-ahead // average))} if ahead > 0 else {0}:
+        for trail in {int(behind // average), int(-(-behind // average))} if behind > 0 else {0}:
+            if (lead or trail) and lead + trail < world:
+                options.add((lead, trail))
+    return sorted(options)
+
+
+def _grained(problem: Problem, sand: Sequence[bool], grain_cost: float,
+             weights: Sequence[float] | None = None) -> list[int]:
     """Owners from the cost portfolio run with each sand run merged into grains of about ``grain_cost``.
 
     Fewer, larger sand items keep the geometry honest (sand ahead of a bucket's first rock pushes
-    that rock to a later rank, leaving room to pour into) at a fraction of the items.
+    that rock to a later rank, leaving room to pour into) at a fraction of the items. ``weights``
+    replaces the sand's costs in that packing (the rocks keep theirs): sand weighed by its memory
+    makes the packing leave room for the sand's bytes, not only for its cost.
     """
-    costs, numels = problem.costs, problem.numels
+    numels = problem.numels
+    costs = [w if s else c for w, c, s in zip(weights, problem.costs, sand)] if weights is not None else problem.costs
     groups: list[list[int]] = []  # consecutive items planned as one
     buckets = []
     for first, stop in problem.buckets:
@@ -359,6 +420,15 @@ def _sand_matters(problem: Problem, memory: Sequence[float], sand: Sequence[bool
     sand_memory = sum(m for m, s in zip(memory, sand) if s)
     return (sand_cost > SAND_WORTH_PACKING * sum(problem.costs) / world
             or sand_memory > SAND_WORTH_PACKING * sum(memory) / world)
+
+
+def _lpt_makespan(costs: Sequence[float], world: int) -> float:
+    """Busiest load of unconstrained LPT (largest first onto the least-loaded rank)."""
+    heap = [(0.0, rank) for rank in range(world)]
+    for cost in sorted(costs, reverse=True):
+        load, rank = heapq.heappop(heap)
+        heapq.heappush(heap, (load + cost, rank))
+    return max(load for load, _ in heap)
 
 
 def _loads(world: int, owner: Sequence[int], values: Sequence[float]) -> list[float]:
