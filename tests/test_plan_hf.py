@@ -90,22 +90,6 @@ def test_specs_from_module_skips_frozen_and_tied_params() -> None:
 
 # ----------------------------------------------------------------------------- other families, planned with the defaults
 
-# config.json files a user would bring, at their published sizes (the model is built on the meta device).
-FAMILIES = {
-    "llama3-8b": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256,
-                  "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-                  "num_key_value_heads": 8, "tie_word_embeddings": False, "max_position_embeddings": 8192},
-    "gemma-7b": {"model_type": "gemma", "architectures": ["GemmaForCausalLM"], "vocab_size": 256000,
-                 "hidden_size": 3072, "intermediate_size": 24576, "num_hidden_layers": 28, "num_attention_heads": 16,
-                 "num_key_value_heads": 16, "head_dim": 256, "tie_word_embeddings": True},
-    "qwen2.5-7b": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064,
-                   "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
-                   "num_key_value_heads": 4, "tie_word_embeddings": False},
-    "olmoe-64-experts": {"model_type": "olmoe", "architectures": ["OlmoeForCausalLM"], "vocab_size": 50304,
-                         "hidden_size": 2048, "intermediate_size": 1024, "num_hidden_layers": 16,
-                         "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 64,
-                         "num_experts_per_tok": 8, "tie_word_embeddings": False},
-}
 # Cells where the default plan keeps the makespan but misses the memory target (docs/PLANNER.md):
 # there the memory must still be no worse than the cost-only plan's.
 KNOWN_MEMORY_GAPS = {("gemma-7b", 128), ("olmoe-64-experts", 16)}
@@ -119,7 +103,9 @@ def test_other_families_meet_the_balance_targets_through_hf_config(tmp_path: Pat
 
     roofline = cost_model("roofline", "muon", machine_balance=150.0)  # what `ds-canzona plan` uses by default
     kwargs = {"bucket_numel": 500_000_000, "split_numel": 2**22, "cost": roofline}
-    for name, config in FAMILIES.items():
+    from ds_canzona.bench.balance import FAMILY_CONFIGS
+
+    for name, config in FAMILY_CONFIGS.items():
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(config))
         specs = specs_from_hf_config(path)
