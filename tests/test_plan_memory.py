@@ -71,17 +71,33 @@ def test_bytes_per_item_by_dtype():
         StateMemory(param_bytes=3)
 
 
-def test_memory_is_second_to_the_makespan():
-    """The plan's busiest cost stays that of the cost-only packing; its memory is no worse."""
+def cost_only(plan):
+    """Per-rank cost and memory of the cost-only packing of the same items (the planner before memory counted)."""
+    from ds_canzona.plan.dp import alpha_balanced
+    ranges = [(b.first, b.stop) for b in plan.buckets]
+    owner, _ = alpha_balanced([s.numel for s in plan.specs], list(plan.costs), ranges, plan.world_size)
+    cost, memory = [0.0] * plan.world_size, [0.0] * plan.world_size
+    for item, rank in enumerate(owner):
+        cost[rank] += plan.costs[item]
+        memory[rank] += plan.memory[item]
+    return cost, memory
+
+
+def test_memory_comes_second_to_the_makespan_on_qwen3_8b():
+    """Never slower than the cost-only plan, within 2% of LPT; memory at the target, or below the cost-only plan's."""
     specs = model_specs("qwen3-8b")
     roofline = cost_model("roofline", "muon", machine_balance=150.0)
     for world in (32, 64):
         plan = plan_dp_partitions(specs, world_size=world, bucket_numel=500_000_000, cost=roofline,
                                   split_numel=2**22)
-        lpt = max(lpt_loads(plan.costs, world))
-        assert max(plan.rank_costs()) <= 1.02 * lpt
+        before_cost, before_memory = cost_only(plan)
+        assert max(plan.rank_costs()) <= max(before_cost) * (1 + 1e-9)
+        assert max(plan.rank_costs()) <= 1.02 * max(lpt_loads(plan.costs, world))
         average = sum(plan.memory) / world
-        assert max(plan.rank_memory()) <= max(1.25, 1.05 * max(plan.memory) / average) * average or world == 64
+        if world == 32:  # 1.09 x the average (4.93 before)
+            assert max(plan.rank_memory()) <= 1.25 * average
+        else:  # at DP 64 the makespan is LPT's and the cost-only plan's; 1.43 x (4.80 before)
+            assert max(plan.rank_memory()) <= 0.5 * max(before_memory)
 
 
 def test_memory_cap_trades_step_time_and_errors_name_the_bound():
@@ -130,3 +146,65 @@ def test_runtime_allocates_what_the_planner_predicted():
         assert muon_bf16["masters"] > 0 and soap_bf16["masters"] > 0 and shampoo_fp32["masters"] == 0
         assert "shampoo" in shampoo_fp32["memory_label"] and "soap" in soap_bf16["memory_label"]
         assert capped["error"].startswith("canzona.max_state_bytes_per_rank=1 cannot be met"), capped
+
+
+def brute_force_optimum(costs: list[float], chains: list[tuple[int, int]], world: int) -> float:
+    """Least busiest cost over every owner map that is non-decreasing along each chain."""
+    import itertools
+
+    def monotone_maps(length: int):
+        return itertools.combinations_with_replacement(range(world), length)
+
+    best = math.inf
+    (a, b), (c, d) = chains
+    for first in monotone_maps(b - a):
+        for second in monotone_maps(d - c):
+            loads = [0.0] * world
+            for item, rank in zip(range(a, b), first):
+                loads[rank] += costs[item]
+            for item, rank in zip(range(c, d), second):
+                loads[rank] += costs[item]
+            best = min(best, max(loads))
+    return best
+
+
+def test_two_chain_optimum_equals_brute_force():
+    import random
+
+    from ds_canzona.plan._packing import Problem
+    from ds_canzona.plan._two_chains import TOLERANCE, optimal_owner
+
+    rng = random.Random(3)
+    for _ in range(25):
+        n0, n1, world = rng.randint(1, 5), rng.randint(0, 4), rng.randint(1, 4)
+        costs = [float(rng.randint(1, 9)) for _ in range(n0 + n1)]
+        chains = [(0, n0), (n0, n0 + n1)] if n1 else [(0, n0)]
+        problem = Problem([1] * len(costs), costs, chains, world, [None] * len(chains))
+        owner = optimal_owner(problem, sum(costs))
+        assert owner is not None
+        for first, stop in chains:
+            assert owner[first:stop] == sorted(owner[first:stop])
+        loads = [0.0] * world
+        for item, rank in enumerate(owner):
+            loads[rank] += costs[item]
+        exact = brute_force_optimum(costs, chains if n1 else [(0, n0), (n0, n0)], world)
+        assert exact <= max(loads) <= exact * (1 + 2 * TOLERANCE), (costs, chains, world)
+
+
+def test_qwen3_0_6b_at_dp128_is_at_the_geometric_optimum_above_lpt():
+    """Two buckets: the exact optimum under the contract is 3.2% above LPT, and the plan reaches it."""
+    from ds_canzona.plan._packing import Problem
+    from ds_canzona.plan._two_chains import optimal_owner
+
+    roofline = cost_model("roofline", "muon", machine_balance=150.0)
+    plan = plan_dp_partitions(model_specs("qwen3-0.6b"), world_size=128, bucket_numel=500_000_000, cost=roofline,
+                              split_numel=2**22)
+    problem = Problem([s.numel for s in plan.specs], plan.costs, [(b.first, b.stop) for b in plan.buckets], 128,
+                      [None] * len(plan.buckets))
+    owner = optimal_owner(problem, max(plan.rank_costs()))
+    loads = [0.0] * 128
+    for item, rank in enumerate(owner):
+        loads[rank] += plan.costs[item]
+    lpt = max(lpt_loads(plan.costs, 128))
+    assert max(loads) > 1.03 * lpt  # no plan under the contract is within 2% of LPT here
+    assert max(plan.rank_costs()) <= max(loads) * (1 + 1e-9)

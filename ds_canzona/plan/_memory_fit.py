@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from ._loads import LoadTree
 from ._packing import Assignment, LocalSearch, Problem, _assignment, balance
+from ._two_chains import optimal_owner
 
 # Relative gap at which a bisection (on the memory or the cost capacity) stops.
 FIT_TOLERANCE = 1e-3
@@ -252,6 +253,11 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
         exchange = sum(problem.costs) / total_memory if total_memory > 0 else 0.0
         rock_plans.append(_grained(problem, sand, GRAIN_FRACTION * sum(problem.costs) / world,
                                    [exchange * m for m in memory]))
+    # One or two buckets (small models): the exact optimum of the busiest cost is cheap; it joins in.
+    exact = optimal_owner(problem, min(_max_load(world, owner, problem.costs) for owner in candidates))
+    if exact is not None:
+        candidates.append(exact)
+        rock_plans.append(exact)
     pourings = [_Pouring(problem, memory, sand, owner) for owner in rock_plans] if pourable else []
     for pouring in pourings:
         candidates.append(pouring.fewest_cost(problem.lower_bound()))
