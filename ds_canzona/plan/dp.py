@@ -26,6 +26,10 @@ then see the pieces as the items. Matrices are never cut.
 bucket at a time and, at DP=128 on Qwen3 1.7B-32B, leaves the busiest rank up to 55% above the
 LPT reference (which ignores the buffer entirely); it packs all buckets together (see
 ``_packing``) and lands within about 1% of LPT. See docs/PLANNER.md for the measurements.
+
+Memory. Each item also pins bytes on its owner (``memory``: fp32 master, optimizer state, gradient
+segment; ``ds_canzona.plan.memory``). ``alpha_balanced`` minimises the busiest rank's cost first,
+then its bytes (``_memory_fit``); ``max_state_bytes_per_rank`` makes the bytes a hard cap.
 """
 
 from __future__ import annotations
@@ -488,6 +492,11 @@ def alpha_balanced(
     would give each rank) each feed a local search of moves and swaps, and the best result wins.
     See ``ds_canzona.plan._packing`` for the details. Ties break on the busiest load, then the
     owner list, so the plan is a deterministic function of the input.
+
+    Memory. With ``memory`` (bytes per item) and ``sand`` (which items are non-matrix), the busiest
+    rank's memory is minimised second, at the makespan found (and a hard ``memory_cap`` is bought
+    with makespan if needed): see ``ds_canzona.plan._memory_fit``. Without ``memory``, cost alone
+    decides, as before memory was a criterion.
     """
     owner = balance(numels, costs, buckets, world_size, alpha)
     if memory is not None:

@@ -35,9 +35,8 @@ from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
 from ds_canzona.config import CANZONA_SECTION, CanzonaConfig, CanzonaConfigError
 from ds_canzona.optim import rule_for_group
 from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
-from ds_canzona.plan import CostModel, DPPlan, ParamSpec, cost_model, default_machine_balance, plan_dp_partitions
-from ds_canzona.plan.dp import MemoryCapError
-from ds_canzona.plan.memory import StateMemory, memory_model
+from ds_canzona.plan import (CostModel, DPPlan, MemoryCapError, ParamSpec, StateMemory, cost_model,
+                             default_machine_balance, memory_model, plan_dp_partitions)
 from ds_canzona.zero.comm import CommCounter, all_gather_uneven, all_reduce_sum, reduce_scatter_uneven
 
 # Stage 2 reduce-scatters launched and not yet waited on. One is not enough on a busy host: the
