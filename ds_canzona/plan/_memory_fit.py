@@ -286,7 +286,23 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
         assert chosen is not None
         return chosen[1], chosen[0]
 
+    added: list[bool] = []
+
+    def add_memory_rocks() -> None:
+        """Rocks from the cost portfolio run on the bytes: the fewest bytes the packers reach (once)."""
+        if added or problem.capped:
+            return
+        added.append(True)
+        memory_rocks = balance(problem.numels, memory, problem.buckets, world, 1.0)
+        candidates.append(memory_rocks)
+        if pourable:
+            pourings.append(_Pouring(problem, memory, sand, memory_rocks))
+
     owner, peak = best_at(makespan)
+    if peak > memory_target:
+        # Off target: rocks placed for memory may pour better at the same makespan.
+        add_memory_rocks()
+        owner, peak = best_at(makespan)
     if peak > memory_target and budget > makespan * (1.0 + FIT_TOLERANCE):
         # Buy memory with step time, within the budget: the least makespan that reaches the target,
         # or, if none does, the budget's own plan when it holds less memory.
@@ -304,13 +320,9 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
     if memory_cap is None or peak <= memory_cap:
         return FitResult(owner=owner, makespan=_max_load(world, owner, problem.costs), peak_memory=peak)
 
-    # Over the cap: trade step time for memory. Rocks balanced for memory give the fewest bytes
-    # the packers reach; between the makespan and no limit at all, bisect on the cost capacity.
-    memory_rocks = balance(problem.numels, memory, problem.buckets, world, 1.0) if not problem.capped else None
-    if memory_rocks is not None:
-        candidates.append(memory_rocks)
-        if pourable:
-            pourings.append(_Pouring(problem, memory, sand, memory_rocks))
+    # Over the cap: trade step time for memory, bisecting on the cost capacity between the
+    # makespan and no limit at all.
+    add_memory_rocks()
     unlimited = sum(problem.costs) + 1.0
     owner, peak = best_at(unlimited)
     if peak > memory_cap:
