@@ -208,9 +208,10 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
                  f"cost max/avg={plan.flops_ratio:.3f}, state bytes max/avg={plan.state_bytes_ratio:.3f}, "
                  f"elements max/avg={plan.memory_ratio:.3f}, memory={plan.memory_label}"]
         ranks = range(plan.world_size)
-        if plan.world_size > 8:  # short: the busiest and the lightest ranks only
+        if plan.world_size > 8:  # short: the busiest and the lightest ranks, and the one holding the most bytes
             by_cost = sorted(ranks, key=lambda r: (costs[r], r))
-            ranks = sorted(set(by_cost[:2] + by_cost[-2:]))
+            fullest = max(ranks, key=lambda r: (state[r], -r))
+            ranks = sorted(set(by_cost[:2] + by_cost[-2:] + [fullest]))
         for r in ranks:
             lines.append(f"  rank {r}: cost {costs[r]:.3e}, {state[r]:.0f} state bytes, {numels[r]} elements, "
                          f"{len(plan.owned_params(r))} items")
