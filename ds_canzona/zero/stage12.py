@@ -160,7 +160,7 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
 
     def _plan_memory_model(self) -> StateMemory:
         """What each item pins on its owner: masters (non-fp32 models), the rule's state, the gradient segment."""
-        param_bytes = torch.empty((), dtype=self.dtype).element_size()
+        param_bytes = self.params[0].element_size()  # one dtype across the model (checked above)
         matrix_groups = [g for g in self.optimizer.param_groups if g["kind"] != "adamw"]
         if not matrix_groups:
             return memory_model("muon", param_bytes=param_bytes)
