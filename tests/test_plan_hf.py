@@ -88,7 +88,7 @@ def test_specs_from_module_skips_frozen_and_tied_params() -> None:
     assert len(plan.owner) == 5
 
 
-# ----------------------------------------------------------------------------- other families, planned with the defaults
+# ----------------------------------------------------------------- other families, planned with the defaults
 
 # Cells where the default plan keeps the makespan but misses the memory target (docs/PLANNER.md):
 # there the memory must still be no worse than the cost-only plan's.

@@ -422,7 +422,8 @@ def run_memory(args: argparse.Namespace, models: list[str], dps: list[int]) -> i
     print(memory_markdown(rows))
     print()
     print(f"cost within 2% of LPT in {sum(row.cost_ok for row in rows)}/{len(rows)} cells, memory within target in "
-          f"{sum(row.memory_ok for row in rows)}/{len(rows)}; slowest plan {max(row.seconds for row in rows):.2f} CPU s")
+          f"{sum(row.memory_ok for row in rows)}/{len(rows)}; "
+          f"slowest plan {max(row.seconds for row in rows):.2f} CPU s")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump({"memory": [asdict(row) for row in rows]}, handle, indent=1)

@@ -177,7 +177,8 @@ def makespan_study(models: Sequence[str], *, scale: int, dps: Sequence[int], buc
         missing = [shape for shape in shapes if shape not in reused]
         if log and reused:
             log(f"  reusing stored times of {len(shapes) - len(missing)} shapes, timing {len(missing)}")
-        measured = {**reused, **(time_shapes(missing, ns_method=ns_method, repeats=repeats, log=log) if missing else {})}
+        timed = time_shapes(missing, ns_method=ns_method, repeats=repeats, log=log) if missing else {}
+        measured = {**reused, **timed}
         measured = {shape: measured[shape] for shape in shapes}
         timings[model] = [{"shape": list(shape), "matrix": matrix, "seconds": seconds}
                           for (shape, matrix), seconds in measured.items()]

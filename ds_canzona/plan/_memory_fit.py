@@ -1,9 +1,14 @@
 """Memory after makespan: the second criterion of ``alpha_balanced``, and the hard memory cap.
 
 The objective is lexicographic. First the busiest rank's cost (the step's makespan): the best of
-the cost portfolio in ``_packing`` and of the "rocks and sand" packing below. Then, among plans
-that keep every rank's cost at or under that makespan C, the smallest busiest-rank memory (bytes
-of master, optimizer state and gradient segment, from a ``MemoryModel``).
+the cost portfolio in ``_packing``, of the "rocks and sand" packings below and, for one or two
+buckets, of the exact optimum (``_two_chains``), give or take ``MAKESPAN_TOLERANCE``, and never
+above the cost portfolio's own plan. Then, among plans that keep every rank's cost at or under
+that makespan C, the smallest busiest-rank memory (bytes of master, optimizer state and gradient
+segment, from a ``MemoryModel``). If that memory is above the target (``MEMORY_OVER_AVERAGE`` x
+the average, ``MEMORY_OVER_LARGEST`` x the largest item), C may rise to the least value that
+reaches it, within ``MAKESPAN_OVER_LPT`` of unconstrained LPT and never above the cost portfolio's
+plan. A hard cap raises C as far as needed.
 
 Rocks and sand. Matrices are *rocks*: few, lumpy, and they set the makespan. Non-matrix items
 (norms, biases and the pieces of embeddings and heads) are *sand*: fine-grained, cheap per byte
@@ -15,7 +20,10 @@ each item on the first rank of its window (from its predecessor's rank) with roo
 cost capacity and a memory capacity. Bisection on the memory capacity, at the cost capacity C,
 gives the smallest busiest-rank memory this pouring reaches; bisection on the cost capacity with
 no memory limit gives the pouring's makespan (what LPT does with small items: fill the emptiest
-ranks). Rocks come from the cost portfolio run on the rocks alone, and from the cost plan itself.
+ranks). Rocks come from the cost plan itself; from the cost portfolio run on the rocks alone
+(also with the first or last ranks kept for the sand at bucket ends); from the portfolio run with
+sand merged into grains, weighed by its cost or by its bytes; from the exact two-bucket optimum;
+and, when memory misses the target, from the portfolio run on the bytes.
 
 A local search (:class:`MemorySearch`) then moves an item off the busiest-memory rank, or swaps
 it for a lighter one, within its bucket neighbours' ranks and the element caps, where no rank's
@@ -266,11 +274,14 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
     best_makespan = min(_max_load(world, owner, problem.costs) for owner in candidates)
     portfolio_makespan = _max_load(world, cost_owner, problem.costs)
     makespan = min(portfolio_makespan, best_makespan * (1.0 + MAKESPAN_TOLERANCE))
-    budget = min(portfolio_makespan, max(makespan, (1.0 + MAKESPAN_OVER_LPT) * _lpt_makespan(problem.costs, world)))
-    memory_target = max(MEMORY_OVER_AVERAGE * total_memory / world, MEMORY_OVER_LARGEST * max(memory, default=0.0))
+    over_lpt = (1.0 + MAKESPAN_OVER_LPT) * _lpt_makespan(problem.costs, world)
+    budget = min(portfolio_makespan, max(makespan, over_lpt))
+    memory_target = max(MEMORY_OVER_AVERAGE * total_memory / world,
+                        MEMORY_OVER_LARGEST * max(memory, default=0.0))
 
     def best_at(capacity: float) -> tuple[list[int], float]:
-        options = [owner for owner in candidates if _max_load(world, owner, problem.costs) <= capacity * (1 + SAME_MAKESPAN)]
+        room = capacity * (1.0 + SAME_MAKESPAN)
+        options = [owner for owner in candidates if _max_load(world, owner, problem.costs) <= room]
         for pouring in pourings:
             poured = pouring.fewest_memory(capacity, memory_bound)
             if poured is not None:
