@@ -43,7 +43,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 # name -> ("module:attribute" of its Command, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "plan": ("ds_canzona.plan.report:COMMAND", "plan DP ownership offline and report the load balance"),
+    "plan": ("ds_canzona.plan_command:COMMAND", "plan DP ownership offline and report the load balance"),
     "consolidate": ("ds_canzona.consolidate:COMMAND", "write a checkpoint's full model (and optimizer) as safetensors"),
 }
 

@@ -57,6 +57,11 @@ class CanzonaConfig(DeepSpeedConfigModel):
     """Plan non-matrix tensors above this many elements as pieces of this size, each owned by one rank (AdamW is
     elementwise), so a huge embedding does not bound the busiest rank. null: every tensor whole."""
 
+    max_state_bytes_per_rank: int | None = Field(None, gt=0)
+    """Hard cap on the bytes any one rank keeps for the items it owns (fp32 masters, optimizer state, reduced-gradient
+    segment; see ds_canzona.plan.memory): the plan buys it with step time if needed, and init fails with the smallest
+    feasible value if no plan meets it. null: no cap (the plan still minimises the busiest rank's bytes second)."""
+
     kernels: Literal["default", "triton", "torch"] = "default"
     """Matrix kernels: Triton on CUDA where the shape is supported (default), always Triton, or the torch reference.
     Not "auto": the HuggingFace Trainer takes any "auto" in a DeepSpeed config for a placeholder it must fill."""

@@ -71,8 +71,14 @@ def test_makespan_command_writes_json(tmp_path):
             assert row[strategy] > 0.0
         assert row["synchronous"] >= row["ds_canzona"]
         assert row["deepspeed_ns_runs"] >= row["matrices"]
+        assert row["state_mib"] > 0 and row["state_ratio"] >= 1.0 and row["state_ratio_layerwise"] >= 1.0
     if plot is not None:
         assert plot.stat().st_size > 0
+    # Re-scored from the stored times: nothing is timed again, and the same plans give the same numbers.
+    again = tmp_path / "again.json"
+    assert main(argv[:8] + ["--json", str(again), "--timings", str(out)]) == 0
+    reused = json.loads(again.read_text())
+    assert reused["timings"] == data["timings"] and reused["rows"] == data["rows"]
 
 
 def test_dispatcher_lists_the_benchmarks(capsys):

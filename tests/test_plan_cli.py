@@ -180,3 +180,20 @@ def test_bench_balance_small(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert len(document["balance"]) == 1 and len(document["alpha_sweep"]) == 11
     row = document["balance"][0]
     assert row["alpha_flops"] <= 1.05 * row["lpt"] and row["uniform"] > row["alpha_flops"]
+
+
+def test_memory_columns_bounds_and_cap(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", "qwen3-0.6b", "--dp", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "state bytes" in out and "bytes/avg" in out
+    assert "cost lower bounds: average" in out and "state bytes lower bounds: average" in out
+    assert "(model.embed_tokens.weight[0:4194304])" in out  # the largest item in bytes, named
+    assert "the average binds" in out
+    assert main(["plan", "--model", "qwen3-0.6b", "--dp", "4", "--dtype", "fp32", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["memory_model"] == "state_bytes:muon(param_bytes=4)"
+    assert all(rank["state_bytes"] > 0 for rank in document["ranks"])
+    assert main(["plan", "--model", "qwen3-0.6b", "--dp", "4", "--max-state-bytes", "1e6"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("ds-canzona plan: error: max_state_bytes_per_rank=1,000,000 cannot be met")
+    assert error.count("\n") == 1

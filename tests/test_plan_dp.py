@@ -211,9 +211,12 @@ def test_to_dict_matches_the_json_schema() -> None:
     assert [p["name"] for p in document["params"]] == [s.name for s in specs]
     first = document["params"][0]
     assert set(first) >= {"name", "shape", "matrix", "bucket", "offset", "owner"}
-    assert len(document["ranks"]) == 8 and set(document["ranks"][0]) == {"cost", "numel", "tensors"}
+    assert len(document["ranks"]) == 8 and set(document["ranks"][0]) == {"cost", "numel", "state_bytes", "tensors"}
     assert document["flops_ratio"] == pytest.approx(plan.flops_ratio)
     assert document["memory_ratio"] == pytest.approx(plan.memory_ratio)
+    assert document["state_bytes_ratio"] == pytest.approx(plan.state_bytes_ratio)
+    assert [r["state_bytes"] for r in document["ranks"]] == plan.rank_memory()
+    assert document["memory_model"] == plan.memory_label and document["max_state_bytes_per_rank"] is None
 
 
 @pytest.mark.parametrize(

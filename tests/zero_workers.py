@@ -315,3 +315,39 @@ class _ThreeTensorLM(torch.nn.Module):
 
 
 MODELS = {"tiny": make_model, "three": _ThreeTensorLM}
+
+
+def allocated_state_bytes(rank: int, world_size: int, scenarios: list[dict]) -> list[dict]:
+    """For each config, the bytes this rank allocated for its items, measured from the tensors.
+
+    Masters (a copy, not a view of the parameter buffer), every optimizer-state tensor but the
+    0-dim step counter (kept on the host), and the reduced-gradient segments; next to them what
+    the plan predicted for this rank and what the plan summary prints.
+    """
+    import re
+    out = []
+    from ds_canzona.config import CanzonaConfigError
+    for config in scenarios:
+        try:
+            engine = init_engine(config)
+        except CanzonaConfigError as error:
+            out.append({"error": str(error)})
+            continue
+        zero = engine.optimizer
+        buffers = {flat.untyped_storage().data_ptr() for flat in zero.param_flat}
+        masters = sum(t.master.numel() * t.master.element_size() for t in zero.owned_tensors()
+                      if t.master.untyped_storage().data_ptr() not in buffers)
+        state = 0
+        for t in zero.owned_tensors():
+            for key, value in t.state.items():
+                if key == "step":
+                    assert value.dim() == 0 and value.device.type == "cpu"
+                    continue
+                state += value.numel() * value.element_size()
+        segments = sum(s.numel() * s.element_size() for s in zero.grad_segment)
+        summary = zero.plan_summary()
+        printed = re.search(rf"rank {rank}: cost \S+, (\d+) state bytes", summary)
+        out.append({"measured": masters + state + segments, "masters": masters, "state": state,
+                    "segments": segments, "planned": zero.plan.rank_memory()[rank],
+                    "printed": int(printed.group(1)) if printed else None, "memory_label": zero.plan.memory_label})
+    return out

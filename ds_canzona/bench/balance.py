@@ -13,6 +13,12 @@ rank's optimizer FLOPs (Muon) over the ideal average, for
 with the memory ratio, as a markdown table (and optionally JSON and a PNG plot); then an alpha
 sweep showing the trade between even communication and even compute.
 
+``python -m ds_canzona.bench balance --memory``: the default plan (roofline cost, pieces of 2^22,
+5e8 buckets, bf16 Muon state) before and after memory became its second criterion: the busiest
+rank's cost and state bytes over their averages, against unconstrained LPT and the memory target
+max(1.25, 1.05 x largest item / average); ``--families`` adds the config.json files of other
+families (``FAMILY_CONFIGS``), read through ``specs_from_hf_config`` like ``--hf-config``.
+
 ``python -m ds_canzona.bench plan-speed``: how long planning 10,000 tensors for DP=1024 takes.
 Times are CPU seconds of the planning process (the planner is single-threaded, so on an idle
 machine this is the wall time; on a shared one it does not count other processes' load).
@@ -33,13 +39,34 @@ from typing import Any
 
 from ..cli import Command
 from ..plan import ParamSpec, cost_model, lpt_loads, model_specs, plan_buckets, plan_dp_partitions
+from ..plan.dp import DEFAULT_SPLIT_NUMEL, MemoryCapError, alpha_balanced
 
-__all__ = ["BALANCE", "PLAN_SPEED", "BalanceRow", "SweepRow", "alpha_sweep", "balance_study", "plan_speed"]
+__all__ = ["BALANCE", "FAMILY_CONFIGS", "PLAN_SPEED", "BalanceRow", "MemoryRow", "SweepRow", "alpha_sweep",
+           "balance_study", "memory_study", "plan_speed"]
 
 MODELS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b")
 DP_SIZES = (16, 32, 64, 128)
 BUCKET_SIZES = (40_000_000, 500_000_000)
 SWEEP_ALPHAS = tuple(round(0.1 * step, 1) for step in range(11))
+# What the memory study plans with: `ds-canzona plan`'s defaults (the runtime's, on a GPU).
+MEMORY_BUCKET = 500_000_000
+MEMORY_MACHINE_BALANCE = 150.0
+# config.json of other families a user would bring, at their published sizes.
+FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama3-8b": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256,
+                  "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                  "num_key_value_heads": 8, "tie_word_embeddings": False, "max_position_embeddings": 8192},
+    "gemma-7b": {"model_type": "gemma", "architectures": ["GemmaForCausalLM"], "vocab_size": 256000,
+                 "hidden_size": 3072, "intermediate_size": 24576, "num_hidden_layers": 28, "num_attention_heads": 16,
+                 "num_key_value_heads": 16, "head_dim": 256, "tie_word_embeddings": True},
+    "qwen2.5-7b": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064,
+                   "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+                   "num_key_value_heads": 4, "tie_word_embeddings": False},
+    "olmoe-64-experts": {"model_type": "olmoe", "architectures": ["OlmoeForCausalLM"], "vocab_size": 50304,
+                         "hidden_size": 2048, "intermediate_size": 1024, "num_hidden_layers": 16,
+                         "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 64,
+                         "num_experts_per_tok": 8, "tie_word_embeddings": False},
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +91,33 @@ class BalanceRow:
     def over_lpt(self) -> float:
         """How far the FLOPs-planned busiest rank is above LPT's (negative: below)."""
         return self.alpha_flops / self.lpt - 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryRow:
+    """One (model, DP) cell of the memory study: busiest cost and state bytes over their averages."""
+
+    model: str
+    dp: int
+    lpt: float
+    cost_before: float
+    memory_before: float
+    cost_after: float
+    memory_after: float
+    memory_target: float
+    largest_memory: str
+    seconds: float
+    cost_at_target: float | None = None
+    """Where memory misses the target: the cost of the plan capped at the target (canzona.max_state_bytes_per_rank);
+    inf if the planner finds no plan under it."""
+
+    @property
+    def cost_ok(self) -> bool:
+        return self.cost_after <= 1.02 * self.lpt
+
+    @property
+    def memory_ok(self) -> bool:
+        return self.memory_after <= self.memory_target
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +171,82 @@ def balance_study(
                     )
                 )
     return rows
+
+
+def memory_study(sources: Sequence[tuple[str, list[ParamSpec]]], dp_sizes: Sequence[int] = DP_SIZES) -> list[MemoryRow]:
+    """The default plan against the cost-only one (the planner before memory counted), per source and DP."""
+    roofline = cost_model("roofline", "muon", machine_balance=MEMORY_MACHINE_BALANCE)
+    rows = []
+    for name, specs in sources:
+        for dp in dp_sizes:
+            started = time.process_time()
+            plan = plan_dp_partitions(specs, world_size=dp, bucket_numel=MEMORY_BUCKET, cost=roofline,
+                                      split_numel=DEFAULT_SPLIT_NUMEL)
+            seconds = time.process_time() - started
+            ranges = [(bucket.first, bucket.stop) for bucket in plan.buckets]
+            before, _ = alpha_balanced([spec.numel for spec in plan.specs], list(plan.costs), ranges, dp)
+            cost_before, memory_before = [0.0] * dp, [0.0] * dp
+            for item, rank in enumerate(before):
+                cost_before[rank] += plan.costs[item]
+                memory_before[rank] += plan.memory[item]
+            mean_cost, mean_memory = sum(plan.costs) / dp, sum(plan.memory) / dp
+            largest = max(range(len(plan.specs)), key=lambda i: (plan.memory[i], -i))
+            target = max(1.25, 1.05 * plan.memory[largest] / mean_memory)
+            cost_at_target = None
+            if plan.state_bytes_ratio > target:
+                try:
+                    capped = plan_dp_partitions(specs, world_size=dp, bucket_numel=MEMORY_BUCKET, cost=roofline,
+                                                split_numel=DEFAULT_SPLIT_NUMEL,
+                                                max_state_bytes_per_rank=int(target * mean_memory))
+                    cost_at_target = capped.flops_ratio
+                except MemoryCapError:
+                    cost_at_target = float("inf")
+            rows.append(MemoryRow(
+                model=name, dp=dp, lpt=max(lpt_loads(plan.costs, dp)) / mean_cost,
+                cost_before=max(cost_before) / mean_cost, memory_before=max(memory_before) / mean_memory,
+                cost_after=plan.flops_ratio, memory_after=plan.state_bytes_ratio,
+                memory_target=target, largest_memory=plan.specs[largest].name, seconds=seconds,
+                cost_at_target=cost_at_target))
+    return rows
+
+
+def memory_markdown(rows: Sequence[MemoryRow]) -> str:
+    lines = [
+        "| model | DP | LPT | cost before | cost after | vs LPT | memory before | memory after | target | met "
+        "| cost with memory capped at target |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for row in rows:
+        met = {(True, True): "both", (True, False): "cost", (False, True): "memory"}.get((row.cost_ok, row.memory_ok),
+                                                                                       "neither")
+        lines.append(
+            f"| {row.model} | {row.dp} | {row.lpt:.3f} | {row.cost_before:.3f} | **{row.cost_after:.3f}** "
+            f"| {row.cost_after / row.lpt - 1:+.1%} | {row.memory_before:.3f} | **{row.memory_after:.3f}** "
+            f"| {row.memory_target:.3f} | {met} | {_capped_cell(row.cost_at_target)} |"
+        )
+    return "\n".join(lines)
+
+
+def _capped_cell(value: float | None) -> str:
+    if value is None:
+        return ""
+    return "no plan" if value == float("inf") else f"{value:.3f}"
+
+
+def family_specs(names: Sequence[str], folder: str) -> list[tuple[str, list[ParamSpec]]]:
+    """Specs of ``FAMILY_CONFIGS`` entries, each written as ``folder/<name>/config.json`` and read back."""
+    import os
+
+    from ..plan import specs_from_hf_config
+
+    sources = []
+    for name in names:
+        directory = os.path.join(folder, name)
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as handle:
+            json.dump(FAMILY_CONFIGS[name], handle, indent=1)
+        sources.append((name, specs_from_hf_config(directory)))
+    return sources
 
 
 def algorithm1_loads(
@@ -251,6 +381,8 @@ def plot_balance(rows: Sequence[BalanceRow], sweep: Sequence[SweepRow], path: st
 def run_balance(args: argparse.Namespace) -> int:
     models = [name.strip().lower() for name in args.models.split(",")]
     dps = [int(value) for value in args.dp.split(",")]
+    if args.memory:
+        return run_memory(args, models, dps)
     buckets = [int(float(value)) for value in args.buckets.split(",")]
     rows = balance_study(models, dps, buckets)
     sweep = alpha_sweep(args.sweep_model, args.sweep_dp, args.sweep_bucket)
@@ -279,7 +411,32 @@ def run_balance(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_memory(args: argparse.Namespace, models: list[str], dps: list[int]) -> int:
+    import tempfile
+
+    sources = [(model, model_specs(model)) for model in models]
+    if args.families:
+        with tempfile.TemporaryDirectory() as folder:
+            sources += family_specs(list(FAMILY_CONFIGS), folder)
+    rows = memory_study(sources, dps)
+    print(memory_markdown(rows))
+    print()
+    print(f"cost within 2% of LPT in {sum(row.cost_ok for row in rows)}/{len(rows)} cells, memory within target in "
+          f"{sum(row.memory_ok for row in rows)}/{len(rows)}; "
+          f"slowest plan {max(row.seconds for row in rows):.2f} CPU s")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump({"memory": [asdict(row) for row in rows]}, handle, indent=1)
+    return 0
+
+
 def add_balance_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--memory", action="store_true",
+                        help="the default plan's cost and state bytes, before and after memory became its second "
+                             "criterion (roofline, pieces, 5e8 buckets, bf16 Muon)")
+    parser.add_argument("--families", action="store_true",
+                        help="with --memory: also Llama-3, Gemma, Qwen2.5 and a 64-expert MoE from config.json "
+                             "(needs torch and transformers)")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated shipped models")
     parser.add_argument("--dp", default=",".join(map(str, DP_SIZES)), help="comma-separated DP sizes")
     parser.add_argument("--buckets", default="4e7,5e8", help="comma-separated bucket sizes in elements")

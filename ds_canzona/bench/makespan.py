@@ -26,7 +26,12 @@ update times. Here:
    - layer-wise: whole-tensor LPT owners over the same roofline cost (unconstrained by the buffer);
    - synchronous: every rank updates every tensor.
 
-It reports the busiest rank's time and its ratio to ds_canzona's, and the ideal (total / DP).
+It reports the busiest rank's time and its ratio to ds_canzona's, and the ideal (total / DP); and,
+for the ds_canzona plans and layer-wise LPT, the busiest rank's state bytes (fp32 model: Muon
+momentum or AdamW moments, and the gradient segment; ``ds_canzona.plan.memory``) over the average.
+
+``--timings FILE`` reuses the per-shape times of an earlier ``--json FILE`` instead of timing
+again (shapes it lacks are timed), so the plans can be re-scored without a quiet machine.
 """
 
 from __future__ import annotations
@@ -135,6 +140,12 @@ class MakespanRow:
     synchronous: float
     deepspeed_ns_runs: int
     matrices: int
+    state_mib: float = 0.0
+    """ds_canzona's busiest rank's state, MiB."""
+    state_ratio: float = 0.0
+    """Busiest rank's state over the average: ds_canzona, whole tensors, layer-wise (LPT)."""
+    state_ratio_whole: float = 0.0
+    state_ratio_layerwise: float = 0.0
 
     def ratio(self, strategy: str) -> float:
         return getattr(self, strategy) / self.ds_canzona
@@ -142,9 +153,12 @@ class MakespanRow:
 
 def makespan_study(models: Sequence[str], *, scale: int, dps: Sequence[int], bucket_numel: int | None,
                    machine_balance: float, split_numel: int | None = None, ns_method: str = "gram", repeats: int = 5,
-                   log=None) -> tuple[list[MakespanRow], dict[str, Any]]:
+                   stored: dict[str, Any] | None = None, log=None) -> tuple[list[MakespanRow], dict[str, Any]]:
     from ..plan import DEFAULT_SPLIT_NUMEL, cost_model, plan_dp_partitions, qwen3_specs
-    from .baselines import deepspeed_muon_loads, layerwise_loads, plan_loads, synchronous_loads
+    from ..plan.memory import memory_model
+    from .baselines import deepspeed_muon_loads, layerwise_loads, lpt_owners, plan_loads, synchronous_loads
+
+    memory = memory_model("muon", param_bytes=4)  # the shapes are timed in fp32
 
     cost = cost_model("roofline", "muon", machine_balance=machine_balance, ns_method=ns_method)
     flops = cost_model("flops", "muon", ns_method=ns_method)
@@ -159,20 +173,32 @@ def makespan_study(models: Sequence[str], *, scale: int, dps: Sequence[int], buc
         if log:
             log(f"{model} / {scale}: hidden {config['hidden_size']}, intermediate {config['intermediate_size']}, "
                 f"{config['num_hidden_layers']} layers, vocab {config['vocab_size']}: timing {len(shapes)} shapes")
-        measured = time_shapes(shapes, ns_method=ns_method, repeats=repeats, log=log)
+        reused = {(tuple(entry["shape"]), entry["matrix"]): entry["seconds"] for entry in (stored or {}).get(model, [])}
+        missing = [shape for shape in shapes if shape not in reused]
+        if log and reused:
+            log(f"  reusing stored times of {len(shapes) - len(missing)} shapes, timing {len(missing)}")
+        timed = time_shapes(missing, ns_method=ns_method, repeats=repeats, log=log) if missing else {}
+        measured = {**reused, **timed}
+        measured = {shape: measured[shape] for shape in shapes}
         timings[model] = [{"shape": list(shape), "matrix": matrix, "seconds": seconds}
                           for (shape, matrix), seconds in measured.items()]
         times = [measured[(tuple(spec.shape), spec.matrix)] for spec in specs]
         costs = [cost.cost(spec) for spec in specs]
         # DeepSpeed's default reduce bucket (5e8 elements), scaled with the model's elements.
         bucket = bucket_numel or max(1, 500_000_000 // (scale * scale))
+        item_bytes = [memory.bytes(spec) for spec in specs]
         for dp in dps:
-            ours = plan_dp_partitions(specs, world_size=dp, bucket_numel=bucket, cost=cost, split_numel=split)
+            ours = plan_dp_partitions(specs, world_size=dp, bucket_numel=bucket, cost=cost, split_numel=split,
+                                      memory=memory)
             # A piece is charged its share of the whole tensor's measured time, not its own: timed
             # alone, a small piece runs faster per element on this CPU (its temporaries stay in
             # cache), which a GPU would not repeat.
             item_times = [times[tensor] * (stop - start) / specs[tensor].numel for tensor, start, stop in ours.pieces]
-            whole = plan_dp_partitions(specs, world_size=dp, bucket_numel=bucket, cost=cost)
+            whole = plan_dp_partitions(specs, world_size=dp, bucket_numel=bucket, cost=cost, memory=memory)
+            layerwise_state = [0.0] * dp
+            for index, rank in enumerate(lpt_owners(costs, dp)):
+                layerwise_state[rank] += item_bytes[index]
+            average_state = sum(item_bytes) / dp
             by_flops = plan_dp_partitions(specs, world_size=dp, bucket_numel=bucket, cost=flops)
             naive = plan_dp_partitions(specs, world_size=dp, bucket_numel=bucket, strategy="start_index", cost=cost)
             deepspeed, runs = deepspeed_muon_loads(specs, times, dp)
@@ -183,21 +209,25 @@ def makespan_study(models: Sequence[str], *, scale: int, dps: Sequence[int], buc
                 start_index=max(plan_loads(naive, times)),
                 deepspeed_muon=max(deepspeed), layerwise=max(layerwise_loads(costs, times, dp)),
                 synchronous=max(synchronous_loads(times, dp)), deepspeed_ns_runs=runs,
-                matrices=sum(spec.matrix for spec in specs)))
+                matrices=sum(spec.matrix for spec in specs), state_mib=max(ours.rank_memory()) / 2**20,
+                state_ratio=ours.state_bytes_ratio, state_ratio_whole=whole.state_bytes_ratio,
+                state_ratio_layerwise=max(layerwise_state) / average_state))
     return rows, timings
 
 
 def makespan_markdown(rows: Sequence[MakespanRow]) -> str:
     lines = [
         "| model (scaled) | DP | ideal ms | " + " | ".join(f"{LABELS[s]} ms" for s in STRATEGIES)
-        + " | " + " | ".join(f"{LABELS[s]} / ours" for s in STRATEGIES[1:]) + " | DS NS runs / matrices |",
-        "|---|---:|---:|" + "---:|" * (2 * len(STRATEGIES) - 1) + "---:|",
+        + " | " + " | ".join(f"{LABELS[s]} / ours" for s in STRATEGIES[1:]) + " | DS NS runs / matrices "
+        + "| ds_canzona state MiB, busiest | state max/avg: ds_canzona / whole / layer-wise |",
+        "|---|---:|---:|" + "---:|" * (2 * len(STRATEGIES) - 1) + "---:|---:|---:|",
     ]
     for row in rows:
         times = " | ".join(f"{getattr(row, s) * 1e3:.1f}" for s in STRATEGIES)
         ratios = " | ".join(f"{row.ratio(s):.2f}x" for s in STRATEGIES[1:])
         lines.append(f"| {row.model} / {row.scale} | {row.dp} | {row.ideal * 1e3:.1f} | {times} | {ratios} "
-                     f"| {row.deepspeed_ns_runs} / {row.matrices} |")
+                     f"| {row.deepspeed_ns_runs} / {row.matrices} | {row.state_mib:,.1f} "
+                     f"| {row.state_ratio:.2f} / {row.state_ratio_whole:.2f} / {row.state_ratio_layerwise:.2f} |")
     return "\n".join(lines)
 
 
@@ -258,6 +288,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--machine-balance", type=float, default=None,
                         help="roofline balance, FLOPs per byte (default: the runtime's CPU default)")
     parser.add_argument("--repeats", type=int, default=5, help="timed updates per shape (median)")
+    parser.add_argument("--timings", metavar="FILE",
+                        help="reuse the per-shape times stored in an earlier --json FILE (shapes it lacks are timed)")
     parser.add_argument("--json", metavar="FILE", help="also write every number as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="also draw the makespans (needs matplotlib)")
 
@@ -275,9 +307,13 @@ def run(args: argparse.Namespace) -> int:
     balance = args.machine_balance or default_machine_balance("cpu")
     if balance <= 0:
         raise ValueError(f"--machine-balance must be > 0, got {balance}")
+    stored = None
+    if args.timings:
+        with open(args.timings, encoding="utf-8") as handle:
+            stored = json.load(handle)["timings"]
     rows, timings = makespan_study(models, scale=args.scale, dps=dps, bucket_numel=args.bucket_numel,
                                    machine_balance=balance, split_numel=args.split_numel, ns_method=args.ns_method,
-                                   repeats=args.repeats,
+                                   repeats=args.repeats, stored=stored,
                                    log=lambda text: print(text, file=sys.stderr))
     from .step import machine_info
 
@@ -285,7 +321,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"Optimizer-step makespan (Muon, {args.ns_method} Newton-Schulz, fp32; AdamW for non-matrices), busiest "
           f"rank in ms, per-tensor updates timed on {info['cpu']} (one thread, median of {args.repeats}); "
           f"ds_canzona and layer-wise plan with the roofline cost, machine balance {balance:g}; ds_canzona's "
-          f"non-matrix tensors in pieces of {rows[0].split_numel if rows else '-'} elements.")
+          f"non-matrix tensors in pieces of {rows[0].split_numel if rows else '-'} elements"
+          + (f"; per-shape times reused from {args.timings}." if args.timings else "."))
     print()
     print(makespan_markdown(rows))
     print()
@@ -297,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
             json.dump({"machine": info, "settings": {"models": models, "scale": args.scale, "dp": dps,
                                                      "bucket_numel": args.bucket_numel, "ns_method": args.ns_method,
                                                      "machine_balance": balance, "split_numel": args.split_numel,
-                                                     "repeats": args.repeats},
+                                                     "repeats": args.repeats, "timings_from": args.timings},
                        "timings": timings, "rows": [asdict(row) for row in rows]}, handle, indent=1)
     if args.plot:
         plot_makespan(rows, args.plot)

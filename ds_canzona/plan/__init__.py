@@ -27,6 +27,7 @@ from .dp import (
     STRATEGIES,
     BucketPlan,
     DPPlan,
+    MemoryCapError,
     alpha_balanced,
     lpt_loads,
     min_max_segment,
@@ -35,6 +36,12 @@ from .dp import (
     plan_dp_partitions,
     start_index,
     uniform,
+)
+from .memory import (
+    MemoryModel,
+    StateMemory,
+    memory_model,
+    state_elements,
 )
 from .models import (
     load_model_config,
@@ -75,11 +82,14 @@ __all__ = [
     "DPPlan",
     "FlopsCost",
     "MatrixRule",
+    "MemoryCapError",
+    "MemoryModel",
     "MicroGroup",
     "NumelCost",
     "ParamSpec",
     "PlanError",
     "RooflineCost",
+    "StateMemory",
     "StepWork",
     "TPPlan",
     "Zero3Plan",
@@ -90,6 +100,7 @@ __all__ = [
     "default_matrix_rule",
     "load_model_config",
     "lpt_loads",
+    "memory_model",
     "min_max_segment",
     "model_specs",
     "muon_flops",
@@ -110,6 +121,7 @@ __all__ = [
     "specs_from_module",
     "specs_from_shapes_file",
     "start_index",
+    "state_elements",
     "tp_split_dim",
     "uniform",
 ]

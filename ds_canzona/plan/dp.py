@@ -26,6 +26,10 @@ then see the pieces as the items. Matrices are never cut.
 bucket at a time and, at DP=128 on Qwen3 1.7B-32B, leaves the busiest rank up to 55% above the
 LPT reference (which ignores the buffer entirely); it packs all buckets together (see
 ``_packing``) and lands within about 1% of LPT. See docs/PLANNER.md for the measurements.
+
+Memory. Each item also pins bytes on its owner (``memory``: fp32 master, optimizer state, gradient
+segment; ``ds_canzona.plan.memory``). ``alpha_balanced`` minimises the busiest rank's cost first,
+then its bytes (``_memory_fit``); ``max_state_bytes_per_rank`` makes the bytes a hard cap.
 """
 
 from __future__ import annotations
@@ -39,8 +43,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._packing import balance, min_max_segment
+from ._memory_fit import MemoryCapUnreachable, fit
+from ._packing import Problem, balance, min_max_segment, segment_caps
 from .cost import CostModel, cost_model
+from .memory import MemoryModel, StateMemory
 from .specs import ParamSpec, PlanError
 
 __all__ = [
@@ -48,6 +54,7 @@ __all__ = [
     "STRATEGIES",
     "BucketPlan",
     "DPPlan",
+    "MemoryCapError",
     "alpha_balanced",
     "lpt_loads",
     "min_max_segment",
@@ -63,6 +70,25 @@ STRATEGIES = ("alpha_balanced", "start_index", "uniform")
 # The runtime's piece size for non-matrix tensors (16 MiB of fp32): large enough that a piece's
 # AdamW update runs at full bandwidth, small enough that a big embedding spreads over many ranks.
 DEFAULT_SPLIT_NUMEL = 2**22
+
+
+class MemoryCapError(PlanError):
+    """No plan keeps every rank's state under ``max_state_bytes_per_rank``.
+
+    ``smallest`` is the busiest-rank memory of the best plan found with no limit on step time;
+    ``bound`` the lower bound no plan can beat, set by ``tensor`` (one item alone) or, when
+    ``tensor`` is None, by the average over the ranks.
+    """
+
+    def __init__(self, *, cap: int, smallest: float, bound: float, tensor: str | None, world_size: int) -> None:
+        self.cap, self.smallest, self.bound, self.tensor = cap, smallest, bound, tensor
+        reason = (f"{tensor!r} alone needs {math.ceil(bound):,} bytes" if tensor is not None
+                  else f"the average over {world_size} ranks is {math.ceil(bound):,} bytes")
+        super().__init__(
+            f"max_state_bytes_per_rank={cap:,} cannot be met: the smallest busiest-rank state the planner "
+            f"reaches is {math.ceil(smallest):,} bytes ({reason}). Raise the cap to at least "
+            f"{math.ceil(smallest):,}, or use more ranks."
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,6 +138,9 @@ class DPPlan:
     offset: tuple[int, ...]
     pieces: tuple[tuple[int, int, int], ...] = ()
     split_numel: int | None = None
+    memory: tuple[float, ...] = ()
+    memory_label: str = ""
+    max_state_bytes_per_rank: int | None = None
     _cached: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def rank_costs(self, cost: CostModel | None = None) -> list[float]:
@@ -147,6 +176,13 @@ class DPPlan:
                 numels[rank] += cuts[rank + 1] - cuts[rank]
         return numels
 
+    def rank_memory(self) -> list[float]:
+        """Bytes each rank keeps for the items it owns, under the plan's memory model (``memory``)."""
+        loads = [0.0] * self.world_size
+        for index, rank in enumerate(self.owner):
+            loads[rank] += self.memory[index]
+        return loads
+
     def rank_tensors(self) -> list[int]:
         counts = [0] * self.world_size
         for rank in self.owner:
@@ -170,6 +206,11 @@ class DPPlan:
         return _ratio(self.rank_numels(), sum(spec.numel for spec in self.specs), self.world_size)
 
     @property
+    def state_bytes_ratio(self) -> float:
+        """Largest rank's state bytes (memory model) over the average."""
+        return _ratio(self.rank_memory(), sum(self.memory), self.world_size)
+
+    @property
     def comm_ratio(self) -> float:
         """Uneven collectives over even ones: sum over buckets of the largest segment, over |B|/R.
 
@@ -185,6 +226,7 @@ class DPPlan:
         numels = self.rank_numels()
         costs = self.rank_costs()
         tensors = self.rank_tensors()
+        state = self.rank_memory()
         return {
             "world_size": self.world_size,
             "strategy": self.strategy,
@@ -193,14 +235,18 @@ class DPPlan:
             "cost_label": self.cost_label,
             "bucket_numel": self.bucket_numel,
             "split_numel": self.split_numel,
+            "memory_model": self.memory_label,
+            "max_state_bytes_per_rank": self.max_state_bytes_per_rank,
             "buckets": [{"numel": bucket.numel, "cuts": list(bucket.cuts)} for bucket in self.buckets],
             "params": [
                 {**spec.to_dict(), "bucket": self.bucket_of[i], "offset": self.offset[i], "owner": self.owner[i]}
                 for i, spec in enumerate(self.specs)
             ],
-            "ranks": [{"cost": costs[r], "numel": numels[r], "tensors": tensors[r]} for r in range(self.world_size)],
+            "ranks": [{"cost": costs[r], "numel": numels[r], "state_bytes": state[r], "tensors": tensors[r]}
+                      for r in range(self.world_size)],
             "flops_ratio": self.flops_ratio,
             "memory_ratio": self.memory_ratio,
+            "state_bytes_ratio": self.state_bytes_ratio,
             "comm_ratio": self.comm_ratio,
         }
 
@@ -288,12 +334,18 @@ def plan_dp_partitions(
     strategy: str = "alpha_balanced",
     cost: CostModel | None = None,
     split_numel: int | None = None,
+    memory: MemoryModel | None = None,
+    max_state_bytes_per_rank: int | None = None,
 ) -> DPPlan:
     """Plan DP ownership of ``specs`` (in buffer order) over ``world_size`` ranks.
 
     A pure function of its arguments: every rank computes the same plan. ``cost`` defaults to the
     runtime's model: Muon roofline with the GPU machine balance (``cost_model("roofline")``).
     ``split_numel`` (default: none) plans non-matrix tensors above that size in pieces.
+    ``memory`` (default: Muon state of a bf16 model, ``StateMemory()``) prices the bytes each item
+    pins on its owner; ``alpha_balanced`` minimises the busiest rank's memory once the busiest
+    cost is as low as it gets. ``max_state_bytes_per_rank`` is a hard cap on that memory, bought
+    with step time if needed; :class:`MemoryCapError` if no plan meets it.
     """
     specs = tuple(specs)
     if not specs:
@@ -309,7 +361,10 @@ def plan_dp_partitions(
         raise PlanError(f"Invalid strategy={strategy!r}: must be one of {', '.join(STRATEGIES)}.")
     if split_numel is not None:
         _check_positive_int("split_numel", split_numel)
+    if max_state_bytes_per_rank is not None:
+        _check_positive_int("max_state_bytes_per_rank", max_state_bytes_per_rank)
     model = cost if cost is not None else cost_model("roofline", "muon")
+    memory_model = memory if memory is not None else StateMemory()
     tensor_ranges = plan_buckets(specs, bucket_numel)
     specs, pieces, ranges = _expand_pieces(specs, tensor_ranges, split_numel)
     costs = tuple(float(model.cost(spec)) for spec in specs)
@@ -318,6 +373,7 @@ def plan_dp_partitions(
             raise PlanError(
                 f"Cost model {model.label} gave {value!r} for {spec.name!r}: costs must be finite and >= 0."
             )
+    item_bytes = tuple(float(memory_model.bytes(spec)) for spec in specs)
 
     numels = [spec.numel for spec in specs]
     if strategy == "uniform":
@@ -325,7 +381,18 @@ def plan_dp_partitions(
     elif strategy == "start_index":
         owner, cuts = start_index(numels, ranges, world_size)
     else:
-        owner, cuts = alpha_balanced(numels, list(costs), ranges, world_size, alpha=float(alpha))
+        try:
+            owner, cuts = alpha_balanced(numels, list(costs), ranges, world_size, alpha=float(alpha),
+                                         memory=item_bytes, sand=[not spec.matrix for spec in specs],
+                                         memory_cap=max_state_bytes_per_rank)
+        except MemoryCapUnreachable as unreachable:
+            assert max_state_bytes_per_rank is not None
+            raise _cap_error(specs, item_bytes, world_size, max_state_bytes_per_rank,
+                             unreachable.peak_memory) from None
+    if strategy != "alpha_balanced" and max_state_bytes_per_rank is not None:
+        peak = max(_rank_sums(owner, item_bytes, world_size))
+        if peak > max_state_bytes_per_rank:
+            raise _cap_error(specs, item_bytes, world_size, max_state_bytes_per_rank, peak)
 
     bucket_of: list[int] = []
     offset: list[int] = []
@@ -352,6 +419,9 @@ def plan_dp_partitions(
         offset=tuple(offset),
         pieces=pieces,
         split_numel=split_numel,
+        memory=item_bytes,
+        memory_label=memory_model.label,
+        max_state_bytes_per_rank=max_state_bytes_per_rank,
     )
 
 
@@ -396,8 +466,11 @@ def alpha_balanced(
     world_size: int,
     *,
     alpha: float = 1.0,
+    memory: Sequence[float] | None = None,
+    sand: Sequence[bool] | None = None,
+    memory_cap: float | None = None,
 ) -> tuple[list[int], list[list[int]]]:
-    """Balance the cost over ranks, with ``alpha`` trading element evenness for compute balance.
+    """Balance the cost over ranks, then the memory; ``alpha`` trades element evenness for compute balance.
 
     The blend. The paper blends two per-bucket targets, v* = (1 - alpha)·v_even + alpha·v_fill.
     Here the same two ends are kept and the blend is made exact as a cap. For each bucket b, let
@@ -419,8 +492,17 @@ def alpha_balanced(
     would give each rank) each feed a local search of moves and swaps, and the best result wins.
     See ``ds_canzona.plan._packing`` for the details. Ties break on the busiest load, then the
     owner list, so the plan is a deterministic function of the input.
+
+    Memory. With ``memory`` (bytes per item) and ``sand`` (which items are non-matrix), the busiest
+    rank's memory is minimised second, at the makespan found (and a hard ``memory_cap`` is bought
+    with makespan if needed): see ``ds_canzona.plan._memory_fit``. Without ``memory``, cost alone
+    decides, as before memory was a criterion.
     """
     owner = balance(numels, costs, buckets, world_size, alpha)
+    if memory is not None:
+        problem = Problem(numels, costs, buckets, world_size, segment_caps(numels, buckets, world_size, alpha))
+        owner = fit(problem, memory, sand if sand is not None else [False] * len(numels), owner,
+                    memory_cap=memory_cap).owner
     return owner, [_cuts_from_owners(numels, owner, first, stop, world_size) for first, stop in buckets]
 
 
@@ -457,6 +539,24 @@ def _cuts_from_owners(numels: Sequence[int], owner: Sequence[int], first: int, s
         assigned = max(assigned, rank)
         position += numels[param]
     return cuts
+
+
+def _rank_sums(owner: Sequence[int], values: Sequence[float], world: int) -> list[float]:
+    sums = [0.0] * world
+    for index, rank in enumerate(owner):
+        sums[rank] += values[index]
+    return sums
+
+
+def _cap_error(specs: Sequence[ParamSpec], item_bytes: Sequence[float], world: int, cap: int,
+               smallest: float) -> MemoryCapError:
+    """The cap error, naming what bounds memory from below: the largest item, or the average."""
+    largest = max(range(len(specs)), key=lambda i: (item_bytes[i], -i))
+    average = sum(item_bytes) / world
+    if item_bytes[largest] >= average:
+        return MemoryCapError(cap=cap, smallest=smallest, bound=item_bytes[largest], tensor=specs[largest].name,
+                              world_size=world)
+    return MemoryCapError(cap=cap, smallest=smallest, bound=average, tensor=None, world_size=world)
 
 
 def _ratio(values: Sequence[float], total: float, world: int) -> float:

@@ -32,10 +32,10 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
 
-from ds_canzona.config import CanzonaConfig
+from ds_canzona.config import CANZONA_SECTION, CanzonaConfig, CanzonaConfigError
 from ds_canzona.optim import rule_for_group
 from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
-from ds_canzona.plan import CostModel, DPPlan, ParamSpec, plan_dp_partitions
+from ds_canzona.plan import CostModel, DPPlan, MemoryCapError, ParamSpec, StateMemory, memory_model, plan_dp_partitions
 from ds_canzona.zero.comm import CommCounter, all_gather_uneven, all_reduce_sum, reduce_scatter_uneven
 
 # Stage 2 reduce-scatters launched and not yet waited on. One is not enough on a busy host: the
@@ -149,9 +149,23 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
         specs = [ParamSpec(name=name, shape=tuple(p.shape), matrix=group["kind"] != "adamw",
                            heads=rule_for_group(group).plan_heads())
                  for name, p, group in zip(self.names, self.params, self.groups)]
-        return plan_dp_partitions(specs, world_size=self.world_size, bucket_numel=bucket_numel,
-                                  alpha=self.config.alpha, strategy=self.config.strategy,
-                                  cost=self._plan_cost_model(), split_numel=self.config.split_numel)
+        cap = self.config.max_state_bytes_per_rank
+        try:
+            return plan_dp_partitions(specs, world_size=self.world_size, bucket_numel=bucket_numel,
+                                      alpha=self.config.alpha, strategy=self.config.strategy,
+                                      cost=self._plan_cost_model(), split_numel=self.config.split_numel,
+                                      memory=self._plan_memory_model(), max_state_bytes_per_rank=cap)
+        except MemoryCapError as error:  # before any buffer is allocated
+            raise CanzonaConfigError(f"{CANZONA_SECTION}.{error}") from None
+
+    def _plan_memory_model(self) -> StateMemory:
+        """What each item pins on its owner: masters (non-fp32 models), the rule's state, the gradient segment."""
+        param_bytes = self.params[0].element_size()  # one dtype across the model (checked above)
+        matrix_groups = [g for g in self.optimizer.param_groups if g["kind"] != "adamw"]
+        if not matrix_groups:
+            return memory_model("muon", param_bytes=param_bytes)
+        return memory_model(matrix_groups[0]["kind"], param_bytes=param_bytes,
+                            **rule_for_group(matrix_groups[0]).cost_options())
 
     def _plan_cost_model(self) -> CostModel:
         from ds_canzona.zero.build import plan_cost_model  # each matrix priced by its own group's rule
@@ -174,17 +188,19 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
 
     def plan_summary(self) -> str:
         plan = self.plan
-        costs, numels = plan.rank_costs(), plan.rank_numels()
+        costs, numels, state = plan.rank_costs(), plan.rank_numels(), plan.rank_memory()
         lines = [f"ds_canzona plan: {len(plan.buckets)} buckets, {len(plan.specs)} items ({len(self.params)} tensors), "
                  f"DP={plan.world_size}, "
                  f"strategy={plan.strategy}, alpha={plan.alpha}, cost={plan.cost_label}, "
-                 f"cost max/avg={plan.flops_ratio:.3f}, memory max/avg={plan.memory_ratio:.3f}"]
+                 f"cost max/avg={plan.flops_ratio:.3f}, state bytes max/avg={plan.state_bytes_ratio:.3f}, "
+                 f"elements max/avg={plan.memory_ratio:.3f}, memory={plan.memory_label}"]
         ranks = range(plan.world_size)
-        if plan.world_size > 8:  # short: the busiest and the lightest ranks only
+        if plan.world_size > 8:  # short: the busiest and the lightest ranks, and the one holding the most bytes
             by_cost = sorted(ranks, key=lambda r: (costs[r], r))
-            ranks = sorted(set(by_cost[:2] + by_cost[-2:]))
+            fullest = max(ranks, key=lambda r: (state[r], -r))
+            ranks = sorted(set(by_cost[:2] + by_cost[-2:] + [fullest]))
         for r in ranks:
-            lines.append(f"  rank {r}: cost {costs[r]:.3e}, {numels[r]} elements, "
+            lines.append(f"  rank {r}: cost {costs[r]:.3e}, {state[r]:.0f} state bytes, {numels[r]} elements, "
                          f"{len(plan.owned_params(r))} items")
         return "\n".join(lines)
 

@@ -1,0 +1,475 @@
+"""Memory after makespan: the second criterion of ``alpha_balanced``, and the hard memory cap.
+
+The objective is lexicographic. First the busiest rank's cost (the step's makespan): the best of
+the cost portfolio in ``_packing``, of the "rocks and sand" packings below and, for one or two
+buckets, of the exact optimum (``_two_chains``), give or take ``MAKESPAN_TOLERANCE``, and never
+above the cost portfolio's own plan. Then, among plans that keep every rank's cost at or under
+that makespan C, the smallest busiest-rank memory (bytes of master, optimizer state and gradient
+segment, from a ``MemoryModel``). If that memory is above the target (``MEMORY_OVER_AVERAGE`` x
+the average, ``MEMORY_OVER_LARGEST`` x the largest item), C may rise to the least value that
+reaches it, within ``MAKESPAN_OVER_LPT`` of unconstrained LPT and never above the cost portfolio's
+plan. A hard cap raises C as far as needed.
+
+Rocks and sand. Matrices are *rocks*: few, lumpy, and they set the makespan. Non-matrix items
+(norms, biases and the pieces of embeddings and heads) are *sand*: fine-grained, cheap per byte
+under AdamW, and where the memory sits. Sand between two rocks of a bucket may go to any rank
+between those rocks' owners (non-decreasing within the run); sand at a bucket's start or end, or
+in a bucket with no rock (an embedding in pieces larger than a bucket), has a window reaching rank
+0 or R - 1. So, with the rocks placed, the sand is poured: runs in order of their window's width,
+each item on the first rank of its window (from its predecessor's rank) with room under both a
+cost capacity and a memory capacity. Bisection on the memory capacity, at the cost capacity C,
+gives the smallest busiest-rank memory this pouring reaches; bisection on the cost capacity with
+no memory limit gives the pouring's makespan (what LPT does with small items: fill the emptiest
+ranks). Rocks come from the cost plan itself; from the cost portfolio run on the rocks alone
+(also with the first or last ranks kept for the sand at bucket ends); from the portfolio run with
+sand merged into grains, weighed by its cost or by its bytes; from the exact two-bucket optimum;
+and, when memory misses the target, from the portfolio run on the bytes.
+
+A local search (:class:`MemorySearch`) then moves an item off the busiest-memory rank, or swaps
+it for a lighter one, within its bucket neighbours' ranks and the element caps, where no rank's
+cost goes above C and the busiest memory strictly drops.
+
+Under ``alpha < 1`` (element caps per segment) the pouring is skipped: memory is improved by the
+local search alone, which respects the caps.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ._loads import LoadTree
+from ._packing import Assignment, LocalSearch, Problem, _assignment, balance
+from ._two_chains import optimal_owner
+
+# Relative gap at which a bisection (on the memory or the cost capacity) stops.
+FIT_TOLERANCE = 1e-3
+# Two loads within this relative distance count as the same makespan (rounding).
+SAME_MAKESPAN = 1e-9
+# Plans whose makespan is within this fraction of the best one found count as equally fast: memory
+# decides among them (a 0.1% faster plan should not win at three times the memory).
+MAKESPAN_TOLERANCE = 0.005
+# When the busiest rank's memory is above MEMORY_OVER_AVERAGE x the average and MEMORY_OVER_LARGEST
+# x the largest item, the makespan may rise, up to MAKESPAN_OVER_LPT above unconstrained LPT on the
+# same items (and never above the cost portfolio's plan), to the least makespan that gets it there.
+MEMORY_OVER_AVERAGE = 1.25
+MEMORY_OVER_LARGEST = 1.05
+MAKESPAN_OVER_LPT = 0.02
+# Sand worth less than this fraction of an average rank (in cost and in memory) cannot change
+# either criterion much: the rock-only portfolio is not run for it (it keeps large inputs fast).
+SAND_WORTH_PACKING = 0.25
+# Sand is planned for cost in grains of about this fraction of an average rank's cost.
+GRAIN_FRACTION = 0.1
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitResult:
+    """The chosen owners, their busiest cost and memory."""
+
+    owner: list[int]
+    makespan: float
+    peak_memory: float
+
+
+class _Pouring:
+    """Sand poured around fixed rocks: the runs, their windows, and the rocks' loads."""
+
+    def __init__(self, problem: Problem, memory: Sequence[float], sand: Sequence[bool], rock_owner: Sequence[int]):
+        self.problem, self.memory = problem, memory
+        world = problem.world
+        self.base_owner = list(rock_owner)
+        self.rock_cost = [0.0] * world
+        self.rock_memory = [0.0] * world
+        runs: list[tuple[int, int, int, list[int]]] = []
+        for first, stop in problem.buckets:
+            previous_rank = 0
+            run: list[int] = []
+            for item in range(first, stop):
+                if sand[item]:
+                    run.append(item)
+                    continue
+                rank = rock_owner[item]
+                self.rock_cost[rank] += problem.costs[item]
+                self.rock_memory[rank] += memory[item]
+                if run:
+                    runs.append((rank - previous_rank, run[0], previous_rank, run))
+                    run = []
+                previous_rank = rank
+            if run:
+                runs.append((world - 1 - previous_rank, run[0], previous_rank, run))
+        # Narrow windows first: a wide run can go elsewhere, a narrow one cannot.
+        runs.sort(key=lambda entry: (entry[0], entry[1]))
+        self.runs = [(low, low + width, run) for width, _, low, run in runs]
+
+    def pour(self, cost_capacity: float, memory_capacity: float) -> tuple[list[int], bool]:
+        """Owners with the sand placed, and whether every rank stayed within both capacities."""
+        costs, memory = self.problem.costs, self.memory
+        owner = list(self.base_owner)
+        cost, mem = list(self.rock_cost), list(self.rock_memory)
+        cost_room = cost_capacity * (1.0 + SAME_MAKESPAN)
+        fits = max(cost) <= cost_room and max(mem) <= memory_capacity
+        for low, high, run in self.runs:
+            rank = low
+            for item in run:
+                c, m = costs[item], memory[item]
+                while rank < high and not (cost[rank] + c <= cost_room and mem[rank] + m <= memory_capacity):
+                    rank += 1
+                if not (cost[rank] + c <= cost_room and mem[rank] + m <= memory_capacity):
+                    fits = False
+                owner[item] = rank
+                cost[rank] += c
+                mem[rank] += m
+        return owner, fits
+
+    def fewest_memory(self, cost_capacity: float, lower: float) -> list[int] | None:
+        """The pouring at (close to) the smallest memory capacity that fits under ``cost_capacity``."""
+        infinite = float("inf")
+        owner, fits = self.pour(cost_capacity, infinite)
+        if not fits:
+            return None
+        best = owner
+        high = max(_loads(self.problem.world, owner, self.memory))
+        low = max(lower, max(self.rock_memory))
+        while high > low * (1.0 + FIT_TOLERANCE):
+            middle = (low + high) / 2.0
+            owner, fits = self.pour(cost_capacity, middle)
+            if fits:
+                best, high = owner, max(_loads(self.problem.world, owner, self.memory))
+            else:
+                low = middle
+        return best
+
+    def fewest_cost(self, lower: float) -> list[int]:
+        """The pouring at (close to) the smallest cost capacity, with no memory limit."""
+        infinite = float("inf")
+        best, _ = self.pour(infinite, infinite)
+        high = max(_loads(self.problem.world, best, self.problem.costs))
+        low = max(lower, max(self.rock_cost))
+        while high > low * (1.0 + FIT_TOLERANCE / 10):
+            middle = (low + high) / 2.0
+            owner, fits = self.pour(middle, infinite)
+            if fits:
+                best, high = owner, max(_loads(self.problem.world, owner, self.problem.costs))
+            else:
+                low = middle
+        return best
+
+
+class MemorySearch(LocalSearch):
+    """Lower the busiest rank's memory by moves and swaps that keep every cost within ``capacity``."""
+
+    def __init__(self, problem: Problem, assignment: Assignment, memory: Sequence[float], capacity: float,
+                 budget: int) -> None:
+        super().__init__(problem, assignment, budget)
+        self.memory = memory
+        self.capacity = capacity * (1.0 + SAME_MAKESPAN)
+        self.memory_loads = LoadTree.from_loads(_loads(problem.world, assignment.owner, memory))
+
+    def run(self) -> None:
+        while self.budget > 0:
+            busiest = self.memory_loads.busiest()
+            if not (self._best_memory_move(busiest) or self._best_memory_swap(busiest)):
+                return
+
+    def _best_memory_move(self, busiest: int) -> bool:
+        loads, mem, costs, memory = self.state.loads, self.memory_loads, self.problem.costs, self.memory
+        top = mem[busiest]
+        best: tuple[float, int, int] | None = None
+        for item in self.on_rank[busiest]:
+            low, high = self._window(item)
+            if low == high:
+                continue
+            self.budget -= high - low + 1
+            for rank in range(low, high + 1):
+                if rank == busiest or loads[rank] + costs[item] > self.capacity or not self._fits(item, rank):
+                    continue
+                peak = max(top - memory[item], mem[rank] + memory[item])
+                if peak < top * (1.0 - 1e-12) and (best is None or (peak, item, rank) < best):
+                    best = (peak, item, rank)
+        if best is None:
+            return False
+        _, item, rank = best
+        self._move(item, busiest, rank)
+        return True
+
+    def _best_memory_swap(self, busiest: int) -> bool:
+        loads, mem, costs, memory, owner = self.state.loads, self.memory_loads, self.problem.costs, self.memory, \
+            self.state.owner
+        top = mem[busiest]
+        best: tuple[float, int, int] | None = None
+        for item in self.on_rank[busiest]:
+            low, high = self._window(item)
+            for rank in range(low, high + 1):
+                gap = top - mem[rank]
+                if rank == busiest or gap <= 0.0:
+                    continue
+                self.budget -= len(self.on_rank[rank])
+                for other in self.on_rank[rank]:
+                    delta = memory[item] - memory[other]
+                    if not 0.0 < delta < gap:
+                        continue
+                    shift = costs[item] - costs[other]
+                    if loads[rank] + shift > self.capacity or loads[busiest] - shift > self.capacity:
+                        continue
+                    peak = max(top - delta, mem[rank] + delta)
+                    if best is not None and (peak, item, other) >= best:
+                        continue
+                    owner[item], owner[other] = rank, busiest
+                    valid = self._monotone(item) and self._monotone(other) and self._swap_fits(item, other)
+                    owner[item], owner[other] = busiest, rank
+                    if valid:
+                        best = (peak, item, other)
+            if self.budget <= 0:
+                break
+        if best is None:
+            return False
+        _, item, other = best
+        rank = owner[other]
+        self._move(item, busiest, rank)
+        self._move(other, rank, busiest)
+        return True
+
+    def _move(self, param: int, source: int, target: int) -> None:
+        super()._move(param, source, target)
+        self.memory_loads.add(source, -self.memory[param])
+        self.memory_loads.add(target, self.memory[param])
+
+
+def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_owner: list[int],
+        *, memory_cap: float | None = None) -> FitResult:
+    """The lexicographic plan: least makespan, then least busiest memory (see the module docstring).
+
+    With ``memory_cap``, a plan over the cap is not accepted: the makespan is raised (bisection on
+    the cost capacity) until one fits. Raises ``MemoryCapUnreachable`` if none does.
+    """
+    world = problem.world
+    candidates = [cost_owner]
+    rock_plans = [cost_owner]
+    total_memory = sum(memory)
+    memory_bound = max(total_memory / world, max(memory, default=0.0))
+    rocks = [item for item, is_sand in enumerate(sand) if not is_sand]
+    pourable = not problem.capped and rocks and len(rocks) < len(sand)
+    if pourable and _sand_matters(problem, memory, sand):
+        rock_plans.append(_rocks_alone(problem, rocks))
+        for lead, trail in _kept_ranks(problem, sand):
+            rock_plans.append(_rocks_alone(problem, rocks, lead=lead, trail=trail))
+        grained = _grained(problem, sand, GRAIN_FRACTION * sum(problem.costs) / world)
+        rock_plans.append(grained)
+        candidates.append(grained)
+        # Sand weighed by its bytes, in cost units (an average rank's bytes weigh an average rank's cost).
+        exchange = sum(problem.costs) / total_memory if total_memory > 0 else 0.0
+        rock_plans.append(_grained(problem, sand, GRAIN_FRACTION * sum(problem.costs) / world,
+                                   [exchange * m for m in memory]))
+    # One or two buckets (small models): the exact optimum of the busiest cost is cheap; it joins in.
+    exact = optimal_owner(problem, min(_max_load(world, owner, problem.costs) for owner in candidates))
+    if exact is not None:
+        candidates.append(exact)
+        rock_plans.append(exact)
+    pourings = [_Pouring(problem, memory, sand, owner) for owner in rock_plans] if pourable else []
+    for pouring in pourings:
+        candidates.append(pouring.fewest_cost(problem.lower_bound()))
+    # The makespan: the best found (give or take MAKESPAN_TOLERANCE); up to the budget if that buys
+    # memory down to the target, never above the cost portfolio's own plan (see the module docstring).
+    best_makespan = min(_max_load(world, owner, problem.costs) for owner in candidates)
+    portfolio_makespan = _max_load(world, cost_owner, problem.costs)
+    makespan = min(portfolio_makespan, best_makespan * (1.0 + MAKESPAN_TOLERANCE))
+    over_lpt = (1.0 + MAKESPAN_OVER_LPT) * _lpt_makespan(problem.costs, world)
+    budget = min(portfolio_makespan, max(makespan, over_lpt))
+    memory_target = max(MEMORY_OVER_AVERAGE * total_memory / world,
+                        MEMORY_OVER_LARGEST * max(memory, default=0.0))
+
+    def best_at(capacity: float) -> tuple[list[int], float]:
+        room = capacity * (1.0 + SAME_MAKESPAN)
+        options = [owner for owner in candidates if _max_load(world, owner, problem.costs) <= room]
+        for pouring in pourings:
+            poured = pouring.fewest_memory(capacity, memory_bound)
+            if poured is not None:
+                options.append(poured)
+        chosen: tuple[float, list[int]] | None = None
+        for owner in options:
+            assignment = _assignment(problem, list(owner))
+            search = MemorySearch(problem, assignment, memory, capacity, budget=_memory_budget(problem))
+            search.run()
+            key = (search.memory_loads.max_load(), assignment.owner)
+            if chosen is None or key < chosen:
+                chosen = key
+        assert chosen is not None
+        return chosen[1], chosen[0]
+
+    added: list[bool] = []
+
+    def add_memory_rocks() -> None:
+        """Rocks from the cost portfolio run on the bytes: the fewest bytes the packers reach (once)."""
+        if added or problem.capped:
+            return
+        added.append(True)
+        memory_rocks = balance(problem.numels, memory, problem.buckets, world, 1.0)
+        candidates.append(memory_rocks)
+        if pourable:
+            pourings.append(_Pouring(problem, memory, sand, memory_rocks))
+
+    owner, peak = best_at(makespan)
+    if peak > memory_target:
+        # Off target: rocks placed for memory may pour better at the same makespan.
+        add_memory_rocks()
+        owner, peak = best_at(makespan)
+    if peak > memory_target and budget > makespan * (1.0 + FIT_TOLERANCE):
+        # Buy memory with step time, within the budget: the least makespan that reaches the target,
+        # or, if none does, the budget's own plan when it holds less memory.
+        loose, loose_peak = best_at(budget)
+        if loose_peak < peak:
+            low, high = makespan, budget
+            owner, peak = loose, loose_peak
+            while loose_peak <= memory_target and high > low * (1.0 + FIT_TOLERANCE):
+                middle = (low + high) / 2.0
+                trial, trial_peak = best_at(middle)
+                if trial_peak <= memory_target:
+                    owner, peak, high = trial, trial_peak, middle
+                else:
+                    low = middle
+    if memory_cap is None or peak <= memory_cap:
+        return FitResult(owner=owner, makespan=_max_load(world, owner, problem.costs), peak_memory=peak)
+
+    # Over the cap: trade step time for memory, bisecting on the cost capacity between the
+    # makespan and no limit at all.
+    add_memory_rocks()
+    unlimited = sum(problem.costs) + 1.0
+    owner, peak = best_at(unlimited)
+    if peak > memory_cap:
+        raise MemoryCapUnreachable(owner=owner, peak_memory=peak)
+    low, high = makespan, _max_load(world, owner, problem.costs)
+    while high > low * (1.0 + FIT_TOLERANCE):
+        middle = (low + high) / 2.0
+        trial, trial_peak = best_at(middle)
+        if trial_peak <= memory_cap:
+            owner, peak, high = trial, trial_peak, _max_load(world, trial, problem.costs)
+        else:
+            low = middle
+    return FitResult(owner=owner, makespan=_max_load(world, owner, problem.costs), peak_memory=peak)
+
+
+class MemoryCapUnreachable(Exception):
+    """No plan the packers find keeps every rank under the memory cap; the best one found."""
+
+    def __init__(self, *, owner: list[int], peak_memory: float) -> None:
+        super().__init__(f"busiest-rank memory {peak_memory:g} over the cap")
+        self.owner = owner
+        self.peak_memory = peak_memory
+
+
+def _rocks_alone(problem: Problem, rocks: list[int], *, lead: int = 0, trail: int = 0) -> list[int]:
+    """Owners of the rocks from the cost portfolio run on the rocks alone (sand left at rank 0).
+
+    With ``lead`` (``trail``), the rocks use only ranks ``lead .. R - 1 - trail``: the first (last)
+    ranks are kept for the sand ahead of (behind) the rocks of a bucket, which can go nowhere else.
+    """
+    position = {item: index for index, item in enumerate(rocks)}
+    buckets = []
+    for first, stop in problem.buckets:
+        inside = [position[item] for item in range(first, stop) if item in position]
+        if inside:
+            buckets.append((inside[0], inside[-1] + 1))
+    rock_owner = balance([problem.numels[i] for i in rocks], [problem.costs[i] for i in rocks], buckets,
+                         problem.world - lead - trail, 1.0)
+    owner = [0] * len(problem.numels)
+    for index, item in enumerate(rocks):
+        owner[item] = rock_owner[index] + lead
+    return owner
+
+
+def _kept_ranks(problem: Problem, sand: Sequence[bool]) -> list[tuple[int, int]]:
+    """(lead, trail) rank counts worth keeping for the sand at the ends of buckets that hold rocks.
+
+    Sand ahead of a bucket's first rock can only go to ranks up to that rock's owner (behind its
+    last rock, from that owner on); the counts tried are what that sand's cost fills, rounded
+    down and up.
+    """
+    costs, world = problem.costs, problem.world
+    average = sum(costs) / world
+    ahead = behind = 0.0
+    for first, stop in problem.buckets:
+        rocks = [item for item in range(first, stop) if not sand[item]]
+        if not rocks:
+            continue
+        ahead += sum(costs[first:rocks[0]])
+        behind += sum(costs[rocks[-1] + 1:stop])
+    options: set[tuple[int, int]] = set()
+    for lead in {int(ahead // average), int(-(-ahead // average))} if ahead > 0 else {0}:
+        for trail in {int(behind // average), int(-(-behind // average))} if behind > 0 else {0}:
+            if (lead or trail) and lead + trail < world:
+                options.add((lead, trail))
+    return sorted(options)
+
+
+def _grained(problem: Problem, sand: Sequence[bool], grain_cost: float,
+             weights: Sequence[float] | None = None) -> list[int]:
+    """Owners from the cost portfolio run with each sand run merged into grains of about ``grain_cost``.
+
+    Fewer, larger sand items keep the geometry honest (sand ahead of a bucket's first rock pushes
+    that rock to a later rank, leaving room to pour into) at a fraction of the items. ``weights``
+    replaces the sand's costs in that packing (the rocks keep theirs): sand weighed by its memory
+    makes the packing leave room for the sand's bytes, not only for its cost.
+    """
+    numels = problem.numels
+    costs = [w if s else c for w, c, s in zip(weights, problem.costs, sand)] if weights is not None else problem.costs
+    groups: list[list[int]] = []  # consecutive items planned as one
+    buckets = []
+    for first, stop in problem.buckets:
+        start = len(groups)
+        grain: list[int] = []
+        grain_total = 0.0
+        for item in range(first, stop):
+            if not sand[item]:
+                if grain:
+                    groups.append(grain)
+                    grain, grain_total = [], 0.0
+                groups.append([item])
+                continue
+            if grain and grain_total + costs[item] > grain_cost:
+                groups.append(grain)
+                grain, grain_total = [], 0.0
+            grain.append(item)
+            grain_total += costs[item]
+        if grain:
+            groups.append(grain)
+        buckets.append((start, len(groups)))
+    group_owner = balance([sum(numels[i] for i in group) for group in groups],
+                          [sum(costs[i] for i in group) for group in groups], buckets, problem.world, 1.0)
+    owner = [0] * len(numels)
+    for group, rank in zip(groups, group_owner):
+        for item in group:
+            owner[item] = rank
+    return owner
+
+
+def _sand_matters(problem: Problem, memory: Sequence[float], sand: Sequence[bool]) -> bool:
+    world = problem.world
+    sand_cost = sum(c for c, s in zip(problem.costs, sand) if s)
+    sand_memory = sum(m for m, s in zip(memory, sand) if s)
+    return (sand_cost > SAND_WORTH_PACKING * sum(problem.costs) / world
+            or sand_memory > SAND_WORTH_PACKING * sum(memory) / world)
+
+
+def _lpt_makespan(costs: Sequence[float], world: int) -> float:
+    """Busiest load of unconstrained LPT (largest first onto the least-loaded rank)."""
+    heap = [(0.0, rank) for rank in range(world)]
+    for cost in sorted(costs, reverse=True):
+        load, rank = heapq.heappop(heap)
+        heapq.heappush(heap, (load + cost, rank))
+    return max(load for load, _ in heap)
+
+
+def _loads(world: int, owner: Sequence[int], values: Sequence[float]) -> list[float]:
+    loads = [0.0] * world
+    for item, rank in enumerate(owner):
+        loads[rank] += values[item]
+    return loads
+
+
+def _max_load(world: int, owner: Sequence[int], values: Sequence[float]) -> float:
+    return max(_loads(world, owner, values))
+
+
+def _memory_budget(problem: Problem) -> int:
+    return 200_000 + 20 * len(problem.numels)

@@ -1,0 +1,166 @@
+"""``ds-canzona plan``: plan offline and report the balance as a table, JSON or a plot.
+
+The command's arguments and its run: it loads the specs, builds the cost and memory models and
+the plan, and calls the formatting in ``ds_canzona.plan.report``. It lives outside the planner
+package because it is an entry point: the CLI calls the planner and its report, never the
+reverse. Only the standard library is imported on the ``--shapes`` and ``--model`` paths, so the
+command starts in well under a second; ``--hf-config`` brings in torch and transformers,
+``--plot`` brings in matplotlib.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from .cli import Command
+from .plan.cost import COST_MODELS, DEFAULT_MACHINE_BALANCE, CostModel, cost_model
+from .plan.dp import DEFAULT_SPLIT_NUMEL, STRATEGIES, plan_dp_partitions
+from .plan.memory import StateMemory, memory_model
+from .plan.models import model_specs, shipped_models
+from .plan.report import COMMUNICATION_LEGEND, format_dp_table, format_tp_groups, plot_dp
+from .plan.specs import ParamSpec, PlanError, shard_for_tp, specs_from_hf_config, specs_from_shapes_file
+from .plan.tp import DEFAULT_CAPACITY_BYTES, plan_tp_micro_groups
+
+__all__ = ["COMMAND", "add_plan_arguments", "run_plan"]
+
+DEFAULT_BUCKET_NUMEL = 500_000_000  # DeepSpeed's default reduce_bucket_size
+# Bytes per element of the model's parameters, by --dtype.
+PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    for flag, value in (("--dp", args.dp), ("--tp", args.tp), ("--tp-capacity-mb", args.tp_capacity_mb)):
+        if value < 1:
+            raise PlanError(f"Invalid {flag} {value}: must be a positive integer.")
+    specs, source = _load_specs(args)
+    cost = _cost_model(args)
+    if args.tp > 1:
+        specs = shard_for_tp(specs, args.tp)
+    plan = plan_dp_partitions(
+        specs, world_size=args.dp, bucket_numel=args.bucket_numel, alpha=args.alpha, strategy=args.strategy, cost=cost,
+        split_numel=args.split_numel, memory=_memory_model(args), max_state_bytes_per_rank=args.max_state_bytes,
+    )
+    tp_plan = None
+    if args.tp > 1:
+        tp_plan = plan_tp_micro_groups(specs, tp_size=args.tp, capacity_bytes=args.tp_capacity_mb * 2**20, cost=cost)
+    if args.plot:
+        plot_dp(plan, args.plot, title=f"{source}: {plan.strategy} (alpha {plan.alpha:g}), DP {plan.world_size}")
+    if args.json:
+        document: dict[str, Any] = plan.to_dict()
+        document["digest"] = plan.digest()
+        if tp_plan is not None:
+            document["tp"] = tp_plan.to_dict()
+        json.dump(document, sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    total = sum(spec.numel for spec in specs)
+    title = f"{source}: {len(specs)} tensors, {total:,} elements"
+    if args.tp > 1:
+        title += f" (TP-local shards, TP {args.tp})"
+    print(format_dp_table(plan, title=title))
+    print(COMMUNICATION_LEGEND)
+    if tp_plan is not None:
+        print()
+        print(format_tp_groups(tp_plan))
+    if args.plot:
+        print(f"\nplot written to {args.plot}")
+    return 0
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--shapes", metavar="FILE", help='JSON list of {"name", "shape", "matrix"} in buffer order')
+    source.add_argument(
+        "--hf-config", metavar="PATH", help="HuggingFace config.json (file or folder); needs torch and transformers"
+    )
+    source.add_argument("--model", metavar="NAME", help=f"a shipped config: {', '.join(shipped_models())}")
+    parser.add_argument("--dp", type=int, default=32, metavar="R", help="data-parallel world size (default 32)")
+    parser.add_argument(
+        "--tp", type=int, default=1, metavar="T", help="tensor-parallel size; > 1 also plans micro-groups"
+    )
+    parser.add_argument(
+        "--alpha", type=float, default=1.0, metavar="A", help="0: even elements, 1: even cost (default 1)"
+    )
+    parser.add_argument(
+        "--bucket-numel",
+        type=_count,
+        default=DEFAULT_BUCKET_NUMEL,
+        metavar="N",
+        help="bucket size in elements (default 5e8)",
+    )
+    parser.add_argument("--cost", choices=COST_MODELS, default="roofline",
+                        help="cost model (default roofline, as the runtime)")
+    parser.add_argument("--machine-balance", type=float, default=None, metavar="B",
+                        help=f"for --cost roofline: matmul FLOPs per elementwise byte (default "
+                             f"{DEFAULT_MACHINE_BALANCE['cuda']:g}, GPUs; the CPU's is {DEFAULT_MACHINE_BALANCE['cpu']:g})")
+    parser.add_argument("--optimizer", choices=("muon", "shampoo", "soap"), default="muon",
+                        help="for --cost roofline or flops")
+    parser.add_argument("--ns-method", choices=("gram", "standard"), default=None, help="Muon's Newton-Schulz variant")
+    parser.add_argument("--dtype", choices=tuple(PARAM_BYTES), default="bf16",
+                        help="the model's parameter dtype, for the memory model (default bf16: fp32 masters kept)")
+    parser.add_argument("--max-state-bytes", type=_count, default=None, metavar="BYTES",
+                        help="hard cap on a rank's state bytes (canzona.max_state_bytes_per_rank), bought with "
+                             "step time; an error if no plan meets it")
+    parser.add_argument("--strategy", choices=STRATEGIES, default="alpha_balanced")
+    parser.add_argument("--split-numel", type=_split_count, default=DEFAULT_SPLIT_NUMEL, metavar="N",
+                        help=f"plan non-matrix tensors above N elements in pieces of N (default {DEFAULT_SPLIT_NUMEL}, "
+                             "as the runtime; 0: every tensor whole)")
+    parser.add_argument(
+        "--tp-capacity-mb",
+        type=int,
+        default=DEFAULT_CAPACITY_BYTES // 2**20,
+        metavar="MB",
+        help="micro-group C_max (default 512)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw per-rank cost and memory (needs matplotlib)")
+
+
+COMMAND = Command(
+    description="Plan data-parallel ownership offline and report the per-rank balance.",
+    add_arguments=add_plan_arguments,
+    run=run_plan,
+)
+
+
+def _load_specs(args: argparse.Namespace) -> tuple[list[ParamSpec], str]:
+    if args.shapes:
+        return specs_from_shapes_file(args.shapes), args.shapes
+    if args.model:
+        return model_specs(args.model), args.model.lower()
+    return specs_from_hf_config(args.hf_config), args.hf_config
+
+
+def _cost_model(args: argparse.Namespace) -> CostModel:
+    if args.cost == "numel":
+        return cost_model("numel")
+    options = {"ns_method": args.ns_method} if args.ns_method and args.optimizer == "muon" else {}
+    if args.cost == "roofline" and args.machine_balance is not None:
+        options["machine_balance"] = args.machine_balance
+    elif args.machine_balance is not None:
+        raise PlanError(f"--machine-balance applies to --cost roofline only, not {args.cost}.")
+    return cost_model(args.cost, args.optimizer, **options)
+
+
+def _memory_model(args: argparse.Namespace) -> StateMemory:
+    """The runtime's memory model for --optimizer and --dtype, with the rules' default options."""
+    return memory_model(args.optimizer, param_bytes=PARAM_BYTES[args.dtype])
+
+
+def _split_count(text: str) -> int | None:
+    """--split-numel: a positive element count, or 0 for whole tensors."""
+    return None if text.strip() == "0" else _count(text)
+
+
+def _count(text: str) -> int:
+    """A positive element count, written as an integer or in scientific notation (5e8)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid count {text!r}") from None
+    if not value.is_integer() or value < 1:
+        raise argparse.ArgumentTypeError(f"invalid count {text!r}: must be a positive integer")
+    return int(value)
