@@ -1,6 +1,7 @@
 """Gradients that do not arrive exactly once per backward, at DP 2 and 3, ZeRO stage 1 and 2, GA 1 and 3.
 
-Three models, each trained at gradient accumulation 1 and 3 in one spawn per (DP, stage):
+Three models, each trained at ZeRO stage 1 and 2 and gradient accumulation 1 and 3, all twelve
+engines built one after the other in one spawn per DP size:
 
 - ``hf_tied_reentrant``: a transformers Qwen3 whose embedding and output head are one parameter
   (``tie_word_embeddings``), under ``gradient_checkpointing_enable(use_reentrant=True)``: each
@@ -14,7 +15,7 @@ Three models, each trained at gradient accumulation 1 and 3 in one spawn per (DP
 
 For every step the runtime's averaged gradients must lie within the summation-order bound of
 the mean of per-rank gradients computed by plain torch (tests/grad_reference.py; at DP=2 the
-sum of two terms is exact in either order, so there the bound is near zero), and the
+sum of two terms is the same in either order, so there they must be equal), and the
 parameters after the last step must equal, bit for bit, the single-process optimizer's fed the
 runtime's gradients. A gradient that would be lost (a second gradient for a bucket already
 reduce-scattered) must raise instead.
@@ -43,14 +44,15 @@ SCENARIOS = {
 STEPS = {1: 3, 3: 2}  # gradient accumulation -> optimizer steps
 
 
-def _runs(world_size: int, stage: int) -> list[dict]:
+def _runs(world_size: int) -> list[dict]:
     runs = []
-    for name, (model, bucket_numel, branch) in SCENARIOS.items():
-        for ga in (1, 3):
-            config = make_config(world_size, stage=stage, optimizer=MUON, gradient_accumulation_steps=ga,
-                                 canzona={"bucket_numel": bucket_numel})
-            runs.append({"name": name, "ga": ga, "config": config, "model": model, "steps": STEPS[ga],
-                         "branch": branch})
+    for stage in (1, 2):
+        for name, (model, bucket_numel, branch) in SCENARIOS.items():
+            for ga in (1, 3):
+                config = make_config(world_size, stage=stage, optimizer=MUON, gradient_accumulation_steps=ga,
+                                     canzona={"bucket_numel": bucket_numel})
+                runs.append({"name": name, "stage": stage, "ga": ga, "config": config, "model": model,
+                             "steps": STEPS[ga], "branch": branch})
     return runs
 
 
@@ -63,7 +65,7 @@ def _reference_model(model: tuple[str, dict]):
 
 
 def _check_run(run: dict, results: list[dict], world_size: int) -> None:
-    label = f"{run['name']} GA={run['ga']}"
+    label = f"{run['name']} stage {run['stage']} GA={run['ga']}"
     for r in results[1:]:
         assert_params_equal(results[0]["params"], r["params"])  # every rank holds the same model
     replay = Replay(MUON, _reference_model(run["model"]), clip=CLIP)
@@ -72,8 +74,11 @@ def _check_run(run: dict, results: list[dict], world_size: int) -> None:
                                    branch=run["branch"]) for rank in range(world_size)]
         assert set(grads) == set(per_rank[0]), label  # every trainable tensor, frozen ones not at all
         bound = sum_order_bound(per_rank, communicate_dtype=torch.float32, roundings_before_sum=0)
-        outside = outside_bound(grads, mean_gradient(per_rank, divide_by=world_size), bound)
+        mean = mean_gradient(per_rank, divide_by=world_size)
+        outside = outside_bound(grads, mean, bound)
         assert not outside, f"{label} step {step}: elements outside the summation-order bound {outside}"
+        if world_size == 2:  # fp32 a + b is the same number in either order: nothing is left to differ
+            assert all(torch.equal(grads[n].reshape(m.shape), m) for n, m in mean.items()), label
         replay.step(grads)
     assert_params_equal(results[0]["params"], replay.params())
 
@@ -97,26 +102,26 @@ LATE = {
 }
 
 
-@pytest.mark.parametrize("world_size,stage", [(2, 1), (2, 2), (3, 1), (3, 2)])
-def test_irregular_gradients_equal_plain_torch_and_the_single_process_step(one_thread, world_size, stage):
-    runs = _runs(world_size, stage)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_irregular_gradients_equal_plain_torch_and_the_single_process_step(one_thread, world_size):
+    runs = _runs(world_size)
     late = []
     if world_size == 2:  # the errors, after the scenarios (a run that raises leaves its engine behind)
         for name, case in LATE.items():
-            if stage in case["stages"]:
+            for stage in case["stages"]:
                 config = make_config(world_size, stage=stage, optimizer=MUON, gradient_accumulation_steps=1,
                                      canzona={"bucket_numel": case["bucket_numel"]})
-                late.append({"name": name, "config": config, "model": case["model"], "steps": 1,
+                late.append({"name": name, "stage": stage, "config": config, "model": case["model"], "steps": 1,
                              "double_backward": case.get("double_backward", False)})
     results = run_ranks(train_runs, world_size, runs + late, timeout=900)
     for i, run in enumerate(runs):
         per_rank = [r[i] for r in results]
         assert all("error" not in r for r in per_rank), (run["name"], per_rank[0].get("error"))
         _check_run(run, per_rank, world_size)
-        if stage == 2 and run["name"] == "deepspeed_checkpoint":
+        if run["stage"] == 2 and run["name"] == "deepspeed_checkpoint":
             # ``shared`` got two gradients per backward: this engine stopped reducing during backward.
             assert not any(r["early_launch"] for r in per_rank)
-        elif stage == 2:
+        elif run["stage"] == 2:
             assert all(r["early_launch"] for r in per_rank), run["name"]
     for i, run in enumerate(late, start=len(runs)):
         for r in results:

@@ -327,17 +327,22 @@ def train_runs(rank: int, world_size: int, runs: list[dict]) -> list[dict]:
     averaging, "double_backward": run a second backward before the first step}. Each result has the
     per-step averaged gradients ("grads", as ``train``), the final parameters, each owned item's
     fp32 master, whether stage 2 still launched buckets during backward ("early_launch"), or
-    "error" with the message of the GradientAfterReductionError that ended the run.
+    "error" with the message of the GradientAfterReductionError that ended the run, or
+    "init_error" with that of the CanzonaConfigError that deepspeed.initialize raised.
     """
     return [_train_run(rank, world_size, run) for run in runs]
 
 
 def _train_run(rank: int, world_size: int, run: dict) -> dict:
+    from ds_canzona.config import CanzonaConfigError
     from ds_canzona.zero.stage12 import GradientAfterReductionError
 
     config = run["config"]
     name, kwargs = run["model"]
-    engine = init_engine(config, model=MODELS[name](**kwargs))
+    try:
+        engine = init_engine(config, model=MODELS[name](**kwargs))
+    except CanzonaConfigError as error:
+        return {"init_error": str(error)}
     zero = engine.optimizer
     ga = engine.gradient_accumulation_steps()
     grads, raw = [], []
