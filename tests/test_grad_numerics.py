@@ -181,3 +181,55 @@ def test_numerics_keys_that_cannot_be_honoured_are_refused_at_init(spawned):
     for name, (_, key) in REFUSED.items():
         for r in results[name]:
             assert "init_error" in r and key in r["init_error"], (name, r)
+
+
+@pytest.mark.parametrize("keys,pre,post", [
+    ({}, 1.0, 3.0),
+    ({"postscale_gradients": False}, 3.0, 1.0),
+    ({"postscale_gradients": False, "gradient_predivide_factor": 2.0}, 3.0, 1.0),  # prescale wins, as in DeepSpeed
+    ({"gradient_predivide_factor": 2.0}, 2.0, 1.5),
+    ({"gradient_average": False, "gradient_predivide_factor": 2.0}, 1.0, 1.0),  # gradient_allreduce_op "sum"
+])
+def test_pre_and_post_division_follow_deepspeeds_rules(keys, pre, post):
+    from ds_canzona.zero.stage12 import gradient_reduction
+    reduction = gradient_reduction(param_dtype=torch.bfloat16, world_size=3, **keys)
+    assert (reduction.pre_divide, reduction.post_divide) == (pre, post)
+    assert reduction.accumulate_dtype == reduction.communicate_dtype == torch.bfloat16  # DeepSpeed's defaults
+
+
+class _Engine:
+    """The few engine methods ``gradient_numerics`` reads."""
+
+    def __init__(self, param, accumulate, predivide=1.0, communicate=None):
+        self._types, self._predivide, self.communication_data_type = (param, accumulate), predivide, communicate
+        self.gradient_average = True
+
+    def get_data_types(self):
+        return self._types
+
+    def gradient_predivide_factor(self):
+        return self._predivide
+
+    def postscale_gradients(self):
+        return True
+
+
+@pytest.mark.parametrize("engine,key", [
+    (_Engine(torch.float32, torch.bfloat16), "data_types.grad_accum_dtype bf16 with fp32 parameters"),
+    (_Engine(torch.float16, torch.bfloat16), "data_types.grad_accum_dtype bf16 with fp16 parameters"),
+    (_Engine(torch.bfloat16, torch.float16), "data_types.grad_accum_dtype fp16 with bf16 parameters"),
+    (_Engine(torch.float32, torch.float32, predivide=-1.0), "gradient_predivide_factor"),
+    (_Engine(torch.float32, torch.float32, predivide=float("nan")), "gradient_predivide_factor"),
+])
+def test_numerics_that_cannot_be_honoured_name_their_key(engine, key):
+    from ds_canzona.config import CanzonaConfigError
+    from ds_canzona.zero.build import gradient_numerics
+    with pytest.raises(CanzonaConfigError, match=key):
+        gradient_numerics(engine)
+
+
+def test_accepted_numerics_pass_through():
+    from ds_canzona.zero.build import gradient_numerics
+    numerics = gradient_numerics(_Engine(torch.bfloat16, torch.float32, predivide=2, communicate=torch.float32))
+    assert numerics == {"grad_accum_dtype": torch.float32, "communication_dtype": torch.float32,
+                        "gradient_predivide_factor": 2.0, "postscale_gradients": True, "gradient_average": True}
