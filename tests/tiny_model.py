@@ -79,8 +79,9 @@ def batches(step: int, micro: int, rank: int, world_size: int, micro_batch: int 
 # arrive exactly once per backward (tests/test_grad_arrival.py)
 
 def uses_branch(step: int, rank: int) -> bool:
-    """Whether ``CheckpointedLM.branch`` runs at (step, rank): on alternate steps, and not on every rank at once."""
-    return (step + rank) % 2 == 1
+    """Whether ``CheckpointedLM.branch`` runs at (step, rank): on no rank at steps 0, 3, ..., on every
+    rank at steps 1, 4, ..., and on rank 0 only at steps 2, 5, ..."""
+    return step % 3 == 1 or (step % 3 == 2 and rank == 0)
 
 
 class CheckpointedLM(nn.Module):
