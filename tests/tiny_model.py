@@ -1,11 +1,16 @@
-"""A small decoder-only transformer for the runtime tests.
+"""Small models for the runtime tests.
 
-Odd sizes on purpose (no dimension is a multiple of another's bucket cut), 1-D norms and a bias,
-an untied embedding and output head (which go to AdamW by the matrix rule), and a parameter that
-receives no gradient unless ``use_dead`` is set.
+``TinyLM``: a decoder-only transformer with odd sizes on purpose (no dimension is a multiple of
+another's bucket cut), 1-D norms and a bias, an untied embedding and output head (which go to
+AdamW by the matrix rule). ``CheckpointedLM``: TinyLM's layers under activation checkpointing, with
+a parameter used in every block and a branch that some steps skip. ``HFCausalLM``: a transformers
+Qwen3 built from ``examples/configs/qwen3-tiny.json``, optionally with a tied embedding, HuggingFace
+gradient checkpointing, and frozen weights with LoRA adapters.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -137,7 +142,7 @@ def make_checkpointed_model(seed: int = 0, **kwargs) -> CheckpointedLM:
     return CheckpointedLM(**kwargs)
 
 
-QWEN3_TINY_CONFIG = __import__("pathlib").Path(__file__).resolve().parent.parent / "examples" / "configs" / "qwen3-tiny.json"
+QWEN3_TINY_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "configs" / "qwen3-tiny.json"
 
 
 class HFCausalLM(nn.Module):

@@ -129,4 +129,5 @@ def build_canzona_optimizer(engine, client_optimizer):
     return basic, zero
 
 
-__all__ = ["build_canzona_optimizer", "gradient_numerics", "optimizer_from_config", "translate_optimizer_params", "MATRIX_OPTIMIZERS"]
+__all__ = ["build_canzona_optimizer", "gradient_numerics", "optimizer_from_config", "translate_optimizer_params",
+           "MATRIX_OPTIMIZERS"]
