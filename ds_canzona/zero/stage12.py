@@ -7,9 +7,11 @@ norm per plan item (``ds_canzona.optim.clipping``), so parameters after a step e
 single-process result bit for bit at every world size. Items are whole tensors, and pieces of
 non-matrix tensors above ``canzona.split_numel`` (canonical: the same at every world size).
 The averaged gradient itself is each rank's accumulated gradient summed over ranks by the
-reduce-scatter and divided by the world size in fp32; what differs from single-process
-training on the whole batch is only the order of that sum (and, below fp32, the roundings of
-the accumulation and communication dtypes, ``GradientReduction``).
+reduce-scatter and divided by the world size in fp32 (by default; ``GradientReduction`` for
+DeepSpeed's keys that move the division before the sum or change the dtypes); what differs
+from single-process training on the whole batch is only the order of that sum and, below fp32,
+the roundings of the accumulation and communication dtypes (tests/test_grad_numerics.py bounds
+both against plain torch).
 
 Data flow per optimizer step:
 
@@ -20,7 +22,8 @@ Data flow per optimizer step:
                buckets leaving in one fixed order (last first); its buffer is released once
                that is done; whatever is not complete is reduced when backward ends
                stage 1: all buckets when the boundary backward ends, buffers kept
-    step:      fp32 copy of the owned segment, divided by the world size (and the loss scale),
+    step:      fp32 copy of the owned segment, divided by the world size (the part of it not
+               divided before the sum) and the loss scale,
                one all-reduce of per-item squared norms (overflow + clipping), each rank
                updates the items it owns (whole matrices, non-matrix tensors or their pieces),
                then one all-gather per bucket
