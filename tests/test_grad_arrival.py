@@ -1,6 +1,6 @@
 """Gradients that do not arrive exactly once per backward, at DP 2 and 3, ZeRO stage 1 and 2, GA 1 and 3.
 
-Three models, each trained at ZeRO stage 1 and 2 and gradient accumulation 1 and 3, all twelve
+Four models, each trained at ZeRO stage 1 and 2 and gradient accumulation 1 and 3, all sixteen
 engines built one after the other in one spawn per DP size:
 
 - ``hf_tied_reentrant``: a transformers Qwen3 whose embedding and output head are one parameter
@@ -11,8 +11,10 @@ engines built one after the other in one spawn per DP size:
 - ``deepspeed_checkpoint``: blocks under ``deepspeed.checkpointing.checkpoint`` (reentrant), a
   Linear used inside every block (two gradients per backward: stage 2 must notice and reduce after
   backward) and a branch that gets no gradient on the first step, one on every rank on the second
-  and on rank 0 only on the third (the ranks then launch their reduce-scatters at different
-  times, in the same order).
+  and on rank 0 only on the third;
+- ``branch``: the same without reentrant checkpointing (every gradient once), so stage 2 reduces
+  during backward, on the ranks that take the branch, and at the end of backward on the others:
+  the ranks launch their reduce-scatters at different times, in the same order.
 
 For every step the runtime's averaged gradients must lie within the summation-order bound of
 the mean of per-rank gradients computed by plain torch (tests/grad_reference.py; at DP=2 the
@@ -30,7 +32,7 @@ import torch
 from distributed import run_ranks
 from grad_reference import Replay, mean_gradient, merged_grads, outside_bound, rank_gradients, sum_order_bound
 from test_zero_stage12 import assert_params_equal
-from tiny_model import make_checkpointed_model, make_hf_model
+from tiny_model import make_checkpointed_model, make_hf_model, uses_branch
 from zero_workers import make_config, train_runs
 
 MUON = {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 0.003, "weight_decay": 0.01, "ns_method": "gram"}}
@@ -41,6 +43,7 @@ SCENARIOS = {
     "hf_tied_reentrant": (("hf", {"tie_word_embeddings": True, "checkpointing": True}), 20_000, False),
     "hf_lora": (("hf", {"tie_word_embeddings": False, "checkpointing": False, "lora_rank": 4}), 2_000, False),
     "deepspeed_checkpoint": (("checkpointed", {"checkpoint": "deepspeed"}), 4_000, True),
+    "branch": (("checkpointed", {"checkpoint": "non_reentrant"}), 4_000, True),
 }
 STEPS = 3  # the branch: unused everywhere, used everywhere, used on rank 0 only
 
@@ -62,7 +65,8 @@ def _reference_model(model: tuple[str, dict]):
     name, kwargs = model
     if name == "hf":
         return lambda: make_hf_model(**kwargs)
-    return lambda: make_checkpointed_model(**{**kwargs, "checkpoint": "reentrant"})
+    checkpoint = "reentrant" if kwargs["checkpoint"] == "deepspeed" else kwargs["checkpoint"]
+    return lambda: make_checkpointed_model(**{**kwargs, "checkpoint": checkpoint})
 
 
 def _check_run(run: dict, results: list[dict], world_size: int) -> None:
@@ -119,11 +123,22 @@ def test_irregular_gradients_equal_plain_torch_and_the_single_process_step(one_t
         per_rank = [r[i] for r in results]
         assert all("error" not in r for r in per_rank), (run["name"], per_rank[0].get("error"))
         _check_run(run, per_rank, world_size)
-        if run["stage"] == 2 and run["name"] == "deepspeed_checkpoint":
+        if run["stage"] == 1:
+            continue
+        launched = [r["launched_before_flush"] for r in per_rank]  # per rank, per step
+        if run["name"] == "deepspeed_checkpoint":
             # ``shared`` got two gradients per backward: this engine stopped reducing during backward.
             assert not any(r["early_launch"] for r in per_rank)
-        elif run["stage"] == 2:
+            assert all(n == 0 for steps in launched for n in steps), launched
+        elif run["name"] == "branch":
+            # ``branch`` is in the first bucket to leave: a rank that does not use it on a step
+            # reduces only at the flush, one that does reduces during backward, in the same order.
+            for step in range(STEPS):
+                users = [uses_branch(step, rank) for rank in range(world_size)]
+                assert [n > 0 for n in (steps[step] for steps in launched)] == users, (step, launched)
+        else:
             assert all(r["early_launch"] for r in per_rank), run["name"]
+            assert all(n > 0 for steps in launched for n in steps), (run["name"], launched)
     for i, run in enumerate(late, start=len(runs)):
         for r in results:
             assert "error" in r[i], f"{run['name']}: a gradient after its bucket's reduce-scatter did not raise"

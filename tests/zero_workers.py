@@ -326,7 +326,9 @@ def train_runs(rank: int, world_size: int, runs: list[dict]) -> list[dict]:
     (``tiny_model.uses_branch``) to the model, "raw": also capture the reduced segments before
     averaging, "double_backward": run a second backward before the first step}. Each result has the
     per-step averaged gradients ("grads", as ``train``), the final parameters, each owned item's
-    fp32 master, whether stage 2 still launched buckets during backward ("early_launch"), or
+    fp32 master, how many buckets stage 2 had reduce-scattered before the flush at the end of each
+    boundary backward ("launched_before_flush"), whether it still launches during backward
+    ("early_launch"), or
     "error" with the message of the GradientAfterReductionError that ended the run, or
     "init_error" with that of the CanzonaConfigError that deepspeed.initialize raised.
     """
@@ -345,7 +347,15 @@ def _train_run(rank: int, world_size: int, run: dict) -> dict:
         return {"init_error": str(error)}
     zero = engine.optimizer
     ga = engine.gradient_accumulation_steps()
-    grads, raw = [], []
+    grads, raw, launched_before_flush = [], [], []
+    flush = zero.overlapping_partition_gradients_reduce_epilogue  # the engine calls it after each backward
+
+    def counting_flush():
+        if zero.is_gradient_accumulation_boundary():
+            launched_before_flush.append(len(zero.plan.buckets) - 1 - zero._next_bucket)
+        flush()
+
+    zero.overlapping_partition_gradients_reduce_epilogue = counting_flush
     try:
         for step in range(run["steps"]):
             for micro in range(ga):
@@ -367,6 +377,7 @@ def _train_run(rank: int, world_size: int, run: dict) -> dict:
         "raw": raw,
         "masters": {t.name: t.master.detach().clone() for t in zero.owned_tensors()},
         "early_launch": zero.early_launch,
+        "launched_before_flush": launched_before_flush,
         "skipped": engine.skipped_steps,
         # The dtypes the gradient buffers actually have (stage 1 keeps its flat buffers between steps).
         "flat_dtypes": sorted({str(f.dtype) for f in zero.grad_flat if f is not None}),
