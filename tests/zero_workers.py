@@ -7,7 +7,7 @@ from collections import Counter
 
 import torch
 
-from tiny_model import batches, make_model
+from tiny_model import batches, make_checkpointed_model, make_hf_model, make_model, uses_branch
 
 BASE_CONFIG = {
     "train_micro_batch_size_per_gpu": 2,
@@ -314,7 +314,7 @@ class _ThreeTensorLM(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.reshape(-1, 61), tokens[:, 1:].reshape(-1))
 
 
-MODELS = {"tiny": make_model, "three": _ThreeTensorLM}
+MODELS = {"tiny": make_model, "three": _ThreeTensorLM, "checkpointed": make_checkpointed_model, "hf": make_hf_model}
 
 
 def allocated_state_bytes(rank: int, world_size: int, scenarios: list[dict]) -> list[dict]:
@@ -351,3 +351,73 @@ def allocated_state_bytes(rank: int, world_size: int, scenarios: list[dict]) -> 
                     "segments": segments, "planned": zero.plan.rank_memory()[rank],
                     "printed": int(printed.group(1)) if printed else None, "memory_label": zero.plan.memory_label})
     return out
+
+
+
+
+# --------------------------------------------------------------------------- several engines in one spawn
+
+def train_runs(rank: int, world_size: int, runs: list[dict]) -> list[dict]:
+    """One engine per run, built and trained in a row in this process (one spawn, many scenarios).
+
+    A run is {"config", "model": (name in MODELS, kwargs), "steps", "branch": pass ``use_branch``
+    (``tiny_model.uses_branch``) to the model, "raw": also capture the reduced segments before
+    averaging, "double_backward": run a second backward before the first step}. Each result has the
+    per-step averaged gradients ("grads", as ``train``), the final parameters, each owned item's
+    fp32 master, how many buckets stage 2 had reduce-scattered before the flush at the end of each
+    boundary backward ("launched_before_flush"), whether it still launches during backward
+    ("early_launch"), or
+    "error" with the message of the GradientAfterReductionError that ended the run, or
+    "init_error" with that of the CanzonaConfigError that deepspeed.initialize raised.
+    """
+    return [_train_run(rank, world_size, run) for run in runs]
+
+
+def _train_run(rank: int, world_size: int, run: dict) -> dict:
+    from ds_canzona.config import CanzonaConfigError
+    from ds_canzona.zero.stage12 import GradientAfterReductionError
+
+    config = run["config"]
+    name, kwargs = run["model"]
+    try:
+        engine = init_engine(config, model=MODELS[name](**kwargs))
+    except CanzonaConfigError as error:
+        return {"init_error": str(error)}
+    zero = engine.optimizer
+    ga = engine.gradient_accumulation_steps()
+    grads, raw, launched_before_flush = [], [], []
+    flush = zero.overlapping_partition_gradients_reduce_epilogue  # the engine calls it after each backward
+
+    def counting_flush():
+        if zero.is_gradient_accumulation_boundary():
+            launched_before_flush.append(len(zero.plan.buckets) - 1 - zero._next_bucket)
+        flush()
+
+    zero.overlapping_partition_gradients_reduce_epilogue = counting_flush
+    try:
+        for step in range(run["steps"]):
+            for micro in range(ga):
+                tokens = batches(step, micro, rank, world_size, config["train_micro_batch_size_per_gpu"])
+                forward = {"use_branch": uses_branch(step, rank)} if run.get("branch") else {}
+                engine.backward(engine(tokens, **forward))
+                if run.get("double_backward"):
+                    engine.backward(engine(tokens, **forward))
+                if micro == ga - 1:
+                    grads.append({k: v.clone() for k, v in zero.owned_gradients().items()})
+                    if run.get("raw"):
+                        raw.append({t.name: zero._segment_grad(t.index).clone() for t in zero.owned_tensors()})
+                engine.step()
+    except GradientAfterReductionError as error:
+        return {"error": str(error)}
+    return {
+        "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+        "grads": grads,
+        "raw": raw,
+        "masters": {t.name: t.master.detach().clone() for t in zero.owned_tensors()},
+        "early_launch": zero.early_launch,
+        "launched_before_flush": launched_before_flush,
+        "skipped": engine.skipped_steps,
+        # The dtypes the gradient buffers actually have (stage 1 keeps its flat buffers between steps).
+        "flat_dtypes": sorted({str(f.dtype) for f in zero.grad_flat if f is not None}),
+        "segment_dtypes": sorted({str(s.dtype) for s in zero.grad_segment}),
+    }

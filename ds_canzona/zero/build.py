@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -219,6 +220,35 @@ def plan_cost_model(config, names: list[str], groups: list[dict], device_name: s
     return PerGroupCost(by_name=by_name, default=default, name=kind, label=label)
 
 
+def gradient_numerics(engine) -> dict[str, Any]:
+    """DeepSpeed's gradient numerics keys, as CanzonaZeroOptimizer's arguments; refused where not honoured.
+
+    ``data_types.grad_accum_dtype`` (the parameter dtype or fp32), ``communication_data_type``
+    (DeepSpeed's default: the parameter dtype), ``prescale_gradients`` and
+    ``gradient_predivide_factor``; docs/ARCHITECTURE.md says what each does here.
+    """
+    param_dtype, accum_dtype = engine.get_data_types()
+    if accum_dtype not in (param_dtype, torch.float32):
+        raise CanzonaConfigError(
+            f"data_types.grad_accum_dtype {_dtype_name(accum_dtype)} with {_dtype_name(param_dtype)} parameters is "
+            f"not supported with the 'canzona' section: gradients accumulate in the parameter dtype or in fp32 "
+            f"(set it to fp32 or {_dtype_name(param_dtype)}, or remove it)")
+    factor = engine.gradient_predivide_factor()
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
+        raise CanzonaConfigError(f"gradient_predivide_factor must be a positive number, got {factor!r}")
+    return {
+        "grad_accum_dtype": accum_dtype,
+        "communication_dtype": engine.communication_data_type,
+        "gradient_predivide_factor": float(factor),
+        "postscale_gradients": engine.postscale_gradients(),
+        "gradient_average": engine.gradient_average,
+    }
+
+
+def _dtype_name(dtype) -> str:
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
+
+
 def build_canzona_optimizer(engine, client_optimizer, model_parameters=None):
     """(basic optimizer, ZeRO optimizer) for an engine whose config enables ``canzona``.
 
@@ -229,6 +259,7 @@ def build_canzona_optimizer(engine, client_optimizer, model_parameters=None):
     from ds_canzona.zero.stage12 import CanzonaZeroOptimizer
 
     config = engine._canzona_config
+    numerics = gradient_numerics(engine)  # refused before anything is built
     if client_optimizer is None:
         basic = optimizer_from_config(engine, model_parameters)
     elif callable(client_optimizer) and not hasattr(client_optimizer, "param_groups"):
@@ -258,12 +289,10 @@ def build_canzona_optimizer(engine, client_optimizer, model_parameters=None):
         static_loss_scale=engine.loss_scale(),
         dynamic_loss_scale=engine.dynamic_loss_scale(),
         dynamic_loss_args=engine.dynamic_loss_scale_args(),
-        gradient_predivide_factor=engine.gradient_predivide_factor(),
-        postscale_gradients=engine.postscale_gradients(),
-        gradient_average=engine.gradient_average,
+        **numerics,
     )
     return basic, zero
 
 
-__all__ = ["PerGroupCost", "build_canzona_optimizer", "plan_cost_model", "named_parameter_groups", "optimizer_from_config", "translate_group_keys",
-           "translate_optimizer_params", "MATRIX_OPTIMIZERS"]
+__all__ = ["PerGroupCost", "build_canzona_optimizer", "gradient_numerics", "plan_cost_model", "named_parameter_groups",
+           "optimizer_from_config", "translate_group_keys", "translate_optimizer_params", "MATRIX_OPTIMIZERS"]

@@ -5,20 +5,35 @@ the per-tensor rule that the single-process ``ds_canzona.optim`` optimizers run,
 fp32 values, and gradient clipping uses a norm summed in float64 in buffer order, one squared
 norm per plan item (``ds_canzona.optim.clipping``), so parameters after a step equal the
 single-process result bit for bit at every world size. Items are whole tensors, and pieces of
-non-matrix tensors above ``canzona.split_numel`` (canonical: the same at every world size). What differs from single-process training on the whole batch is
-only the order in which the reduce-scatter sums the ranks' gradients.
+non-matrix tensors above ``canzona.split_numel`` (canonical: the same at every world size).
+The averaged gradient itself is each rank's accumulated gradient summed over ranks by the
+reduce-scatter and divided by the world size in fp32 (by default; ``GradientReduction`` for
+DeepSpeed's keys that move the division before the sum or change the dtypes); what differs
+from single-process training on the whole batch is only the order of that sum and, below fp32,
+the roundings of the accumulation and communication dtypes (tests/test_grad_numerics.py bounds
+both against plain torch).
 
 Data flow per optimizer step:
 
-    backward:  grads accumulate into per-bucket flat buffers (plan order)
-               stage 2: a bucket is reduce-scattered (uneven cuts) as soon as it is complete on
-               the boundary micro-batch, and its buffer is released once that is done;
-               stage 1: all buckets at the boundary, buffers kept
-    step:      average, one all-reduce of per-tensor squared norms (overflow + clipping),
-               each rank updates the items it owns (whole matrices, non-matrix tensors or
-               their pieces), then one all-gather per bucket
+    backward:  each gradient is added into its bucket's flat buffer (plan order, in the
+               accumulation dtype) by a post-accumulate-grad hook
+               stage 2: on the boundary micro-batch a bucket is reduce-scattered (uneven cuts,
+               in the communication dtype) once every one of its tensors has had its gradient,
+               buckets leaving in one fixed order (last first); its buffer is released once
+               that is done; whatever is not complete is reduced when backward ends
+               stage 1: all buckets when the boundary backward ends, buffers kept
+    step:      fp32 copy of the owned segment, divided by the world size (the part of it not
+               divided before the sum) and the loss scale,
+               one all-reduce of per-item squared norms (overflow + clipping), each rank
+               updates the items it owns (whole matrices, non-matrix tensors or their pieces),
+               then one all-gather per bucket
 
-No collective runs inside the optimizer math.
+A tensor whose gradient never arrives (unused on this rank, this step) counts as zero. One whose
+gradient arrives twice in one backward (reentrant activation checkpointing that uses it in two
+checkpointed segments) is accumulated, and the engine stops launching buckets before backward
+ends; a gradient that arrives for a bucket already reduce-scattered this step raises
+``GradientAfterReductionError`` instead of being lost. No collective runs inside the optimizer
+math.
 """
 
 from __future__ import annotations
@@ -47,6 +62,51 @@ REDUCE_SCATTERS_IN_FLIGHT = 2
 
 class PlanMismatchError(RuntimeError):
     """Ranks computed different plans: different models, configs or library versions."""
+
+
+class GradientAfterReductionError(RuntimeError):
+    """A gradient arrived for a bucket that was already reduce-scattered this step (it would be lost)."""
+
+
+@dataclass(frozen=True)
+class GradientReduction:
+    """How gradients are accumulated, summed over ranks and averaged (DeepSpeed's numerics keys).
+
+    ``accumulate_dtype`` is the flat gradient buffers' dtype (``data_types.grad_accum_dtype``),
+    ``communicate_dtype`` the reduce-scatter's (``communication_data_type``); each rank's buffer is
+    divided by ``pre_divide`` in the communication dtype before the sum, and the sum by
+    ``post_divide`` in fp32 after it (``prescale_gradients``, ``gradient_predivide_factor``).
+    """
+
+    accumulate_dtype: torch.dtype
+    communicate_dtype: torch.dtype
+    pre_divide: float
+    post_divide: float
+
+
+def gradient_reduction(*, param_dtype: torch.dtype, world_size: int, grad_accum_dtype: torch.dtype | None = None,
+                       communication_dtype: torch.dtype | None = None, gradient_average: bool = True,
+                       postscale_gradients: bool = True, gradient_predivide_factor: float = 1.0) -> GradientReduction:
+    """The reduction DeepSpeed 0.19.8's ZeRO-1/2 configures from the same keys.
+
+    Unset dtypes are the parameter dtype (DeepSpeed's defaults: ``get_data_types`` and
+    ``communication_data_type``). Averaging follows ``gradient_reduction_w_predivide``: with
+    ``prescale_gradients`` every rank divides by the world size before the sum; otherwise by
+    ``gradient_predivide_factor`` before and by ``world_size / factor`` after; a summing
+    ``gradient_allreduce_op`` (``gradient_average`` false) divides by nothing.
+    """
+    accumulate = grad_accum_dtype or param_dtype
+    if accumulate not in (param_dtype, torch.float32):
+        raise ValueError(f"gradients accumulate in the parameter dtype or in fp32, got {accumulate} for "
+                         f"{param_dtype} parameters")
+    if not gradient_average:
+        pre, post = 1.0, 1.0
+    elif not postscale_gradients:
+        pre, post = float(world_size), 1.0
+    else:
+        pre, post = float(gradient_predivide_factor), world_size / float(gradient_predivide_factor)
+    return GradientReduction(accumulate_dtype=accumulate, communicate_dtype=communication_dtype or param_dtype,
+                             pre_divide=pre, post_divide=post)
 
 
 @dataclass
@@ -82,11 +142,16 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
     ``optimizer`` is a ``ds_canzona.optim`` optimizer: its ``param_groups`` (with 'kind' and
     the hyper-parameters) are the ones the engine's lr scheduler edits, and its per-tensor rules
     are what this class runs on the owned tensors. Its own ``step`` is never called.
+
+    ``grad_accum_dtype``, ``communication_dtype``, ``postscale_gradients``,
+    ``gradient_predivide_factor`` and ``gradient_average`` are the engine's values of DeepSpeed's
+    keys of the same meaning (``gradient_reduction``); unset dtypes are the parameter dtype.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, param_names: dict, config: CanzonaConfig,
                  stage: int, dp_process_group, clip_grad: float, bucket_numel: int,
                  static_loss_scale: float = 1.0, dynamic_loss_scale: bool = False, dynamic_loss_args=None,
+                 grad_accum_dtype: torch.dtype | None = None, communication_dtype: torch.dtype | None = None,
                  gradient_predivide_factor: float = 1.0, postscale_gradients: bool = True,
                  gradient_average: bool = True):
         super().__init__()
@@ -98,9 +163,6 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
         self.partition_gradients = stage == 2
         self.dp_process_group = dp_process_group
         self.clip_grad = float(clip_grad or 0.0)
-        self.gradient_predivide_factor = float(gradient_predivide_factor)
-        self.postscale_gradients = postscale_gradients
-        self.gradient_average = gradient_average
         self.world_size = dist.get_world_size(group=dp_process_group)
         self.rank = dist.get_rank(group=dp_process_group)
         self.device = torch.device(get_accelerator().current_device_name())
@@ -126,6 +188,10 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
             raise ValueError(f"ds_canzona needs one parameter dtype across the model, found {sorted(map(str, dtypes))}")
         self.dtype = dtypes.pop()
         self.groups = [group_of[p] for p in self.params]
+        self.reduction = gradient_reduction(
+            param_dtype=self.dtype, world_size=self.world_size, grad_accum_dtype=grad_accum_dtype,
+            communication_dtype=communication_dtype, gradient_average=gradient_average,
+            postscale_gradients=postscale_gradients, gradient_predivide_factor=gradient_predivide_factor)
 
         self.plan = self._make_plan(bucket_numel)
         self._check_plan_agreement()
@@ -141,6 +207,11 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
         self._index_tensors()
         self._build_buffers()
         self._owned = self._build_owned_state()
+        # Stage 2 reduce-scatters a bucket during backward once all its tensors' gradients are in.
+        # Turned off for good the first time a gradient arrives twice in one backward: this model's
+        # gradients are then not final when they first arrive (see _record_arrival).
+        self.early_launch = self.partition_gradients
+        self._arrivals = [0] * len(self.params)  # gradients per tensor in the current backward
         self._register_grad_hooks()
         self._reset_reduction()
 
@@ -177,9 +248,10 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
             return
         digest = bytes.fromhex(self.plan.digest())
         mine = torch.tensor(list(digest), dtype=torch.uint8, device=self.device)
-        everyone = torch.empty(self.world_size * mine.numel(), dtype=torch.uint8, device=self.device)
-        dist.all_gather_into_tensor(everyone, mine, group=self.dp_process_group)
-        rows = everyone.view(self.world_size, -1).cpu()
+        # The list form: torch deprecates all_gather_into_tensor (a FutureWarning on every start).
+        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(rows, mine, group=self.dp_process_group)
+        rows = [row.cpu() for row in rows]
         differ = [r for r in range(self.world_size) if not torch.equal(rows[r], rows[0])]
         if differ:
             raise PlanMismatchError(
@@ -249,8 +321,8 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
             self.param_flat.append(flat)
             self.grad_flat.append(None)
             cuts = bucket.cuts
-            self.grad_segment.append(torch.empty(cuts[self.rank + 1] - cuts[self.rank], dtype=self.dtype,
-                                                 device=self.device))
+            self.grad_segment.append(torch.empty(cuts[self.rank + 1] - cuts[self.rank],
+                                                 dtype=self.reduction.communicate_dtype, device=self.device))
             if not self.partition_gradients:
                 self._grad_bucket(bucket.index)
 
@@ -259,7 +331,7 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
         flat = self.grad_flat[b]
         if flat is None:
             bucket = self.plan.buckets[b]
-            flat = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
+            flat = torch.zeros(bucket.numel, dtype=self.reduction.accumulate_dtype, device=self.device)
             for i in self.bucket_tensors[b]:
                 start = self.tensor_offset[i]
                 self.grad_views[i] = flat[start:start + self.params[i].numel()].view_as(self.params[i])
@@ -306,15 +378,57 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
         bucket = self.tensor_bucket[i]
 
         def hook(param: torch.Tensor) -> None:
+            if self._bucket_launched(bucket):
+                raise GradientAfterReductionError(self._late_gradient_message(i))
             self._grad_bucket(bucket)
-            self.grad_views[i].add_(param.grad)
+            self.grad_views[i].add_(param.grad)  # into the accumulation dtype (an exact widening, if any)
             param.grad = None
-            if self.partition_gradients and self.is_gradient_accumulation_boundary():
-                self._pending[bucket] -= 1
-                if self._pending[bucket] == 0:
-                    self._launch_ready_buckets()
+            self._record_arrival(i, bucket)
 
         return hook
+
+    def _record_arrival(self, i: int, bucket: int) -> None:
+        """Count tensor i's gradient; on the boundary micro-batch, launch the buckets it completes.
+
+        A bucket counts as complete when each of its tensors has had a gradient in this
+        backward; a second gradient for the same tensor does not count again. Tensors that get
+        none (unused here, on this step) leave their bucket, and every bucket after it in the
+        launch order, to the flush when backward ends. Ranks may decide differently (a branch
+        taken on one rank only): that changes when a rank launches a bucket, never which
+        collective comes next, because every rank launches the buckets in the same order.
+        """
+        self._arrivals[i] += 1
+        if self._arrivals[i] > 1:
+            # Reentrant activation checkpointing runs a nested backward per checkpointed
+            # segment, so a tensor used in two segments gets two gradients; a first gradient
+            # is then no proof that the tensor is done. From here on this engine reduces
+            # only when backward has ended.
+            self.early_launch = False
+            return
+        if self.partition_gradients and self.is_gradient_accumulation_boundary():
+            self._pending[bucket] -= 1
+            if self.early_launch and self._pending[bucket] == 0:
+                self._launch_ready_buckets()
+
+    def _bucket_launched(self, b: int) -> bool:
+        return b > self._next_bucket  # buckets leave last first, so these are the ones gone
+
+    def _late_gradient_message(self, i: int) -> str:
+        name = self.names[i]
+        if self._next_bucket < 0:
+            return (f"ds_canzona: a gradient for {name!r} arrived after this step's gradients were reduce-scattered "
+                    "(at the end of the boundary micro-batch's backward), so it would be lost. Call engine.step() "
+                    "after every engine.backward(); to accumulate micro-batches use gradient_accumulation_steps.")
+        return (f"ds_canzona: {name!r} received a second gradient in one backward pass after its bucket had been "
+                "reduce-scattered, so it would be lost. A parameter gets more than one gradient per backward when "
+                "reentrant activation checkpointing (use_reentrant=True, deepspeed.checkpointing) uses it in more "
+                "than one checkpointed segment; ZeRO stage 2 stops reducing during backward once it has seen that, "
+                "but here it was first seen too late. Use non-reentrant checkpointing (use_reentrant=False) or "
+                "ZeRO stage 1.")
+
+    def backward_epilogue(self, **kwargs) -> None:
+        """Engine hook after every backward: the next backward counts gradients afresh."""
+        self._arrivals = [0] * len(self.params)
 
     def _reset_reduction(self) -> None:
         self._pending = [len(tensors) for tensors in self.bucket_tensors]
@@ -323,13 +437,17 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
 
     def _launch_bucket(self, b: int) -> None:
         flat = self._grad_bucket(b)  # a bucket with no gradient this step still takes part, as zeros
-        if self.gradient_predivide_factor != 1.0:
-            flat.div_(self.gradient_predivide_factor)
-        handle = reduce_scatter_uneven(self.grad_segment[b], flat, self.plan.buckets[b].cuts,
+        reduction = self.reduction
+        send = flat if flat.dtype == reduction.communicate_dtype else flat.to(reduction.communicate_dtype)
+        if send is not flat and self.partition_gradients:
+            self._release_grad_bucket(b)  # the copy in the communication dtype carries the gradients now
+        if reduction.pre_divide != 1.0:
+            send.div_(reduction.pre_divide)
+        handle = reduce_scatter_uneven(self.grad_segment[b], send, self.plan.buckets[b].cuts,
                                        group=self.dp_process_group, counter=self.comm,
                                        async_op=self.partition_gradients)
         if handle is not None:
-            self._handles.append((b, handle))
+            self._handles.append((b, handle, send))  # send stays alive until the collective is done
         if self.partition_gradients:
             # Keep a few reduce-scatters in flight behind backward; finish the older ones and
             # give their gradient memory back.
@@ -337,7 +455,7 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
                 self._complete_oldest()
 
     def _complete_oldest(self) -> None:
-        b, handle = self._handles.pop(0)
+        b, handle, _ = self._handles.pop(0)
         handle.wait()
         if self.partition_gradients:
             self._release_grad_bucket(b)
@@ -346,8 +464,8 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
         # Buckets go out in one fixed order on every rank (last bucket first, as backward
         # completes them), so ranks never disagree on which collective comes next.
         while self._next_bucket >= 0 and (all_remaining or self._pending[self._next_bucket] == 0):
-            self._launch_bucket(self._next_bucket)
             self._next_bucket -= 1
+            self._launch_bucket(self._next_bucket + 1)
 
     def _finish_reduction(self) -> None:
         self._launch_ready_buckets(all_remaining=True)
@@ -383,10 +501,10 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
 
     def _averaged_grad(self, i: int) -> torch.Tensor:
         grad = self._segment_grad(i).to(torch.float32, copy=True)
-        if self.gradient_average:
-            post = self.world_size / self.gradient_predivide_factor
-            if post != 1.0:
-                grad.div_(post)
+        # In fp32, whatever the communication dtype: the division is then exact to fp32's
+        # rounding (DeepSpeed divides in the communication dtype).
+        if self.reduction.post_divide != 1.0:
+            grad.div_(self.reduction.post_divide)
         if self.loss_scaler.cur_scale != 1.0:
             grad.div_(self.loss_scaler.cur_scale)
         return grad
@@ -446,6 +564,7 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
     def backward(self, loss, retain_graph: bool = False):
         self.enter_backward()
         self.scale_if_loss(loss).backward(retain_graph=retain_graph)
+        self.backward_epilogue()
         self.exit_backward()
 
     def owned_tensors(self) -> list[OwnedTensor]:
