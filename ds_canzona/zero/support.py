@@ -9,8 +9,9 @@ one ``CanzonaConfigError`` naming the key or feature and saying what to do, rais
 
 Two entry points, because the engine learns about the model late:
 
-- ``check_config_supported`` runs from the wrapped ``_do_sanity_check``: the config, the ``mpu``
-  and the pipeline flag are known, the model is not yet stored on the engine;
+- ``check_config_supported`` runs from the wrapped ``_do_sanity_check``: the config and the
+  ``mpu`` are known (and, from DeepSpeed 0.19.4 on, whether the model is a pipeline module); the
+  model is not yet stored on the engine;
 - ``check_model_supported`` runs first thing in the wrapped ``_configure_optimizer``: DeepSpeed
   has scanned the model for MoE layers by then, and nothing of ds_canzona exists yet.
 
@@ -44,8 +45,10 @@ def check_config_supported(engine) -> None:
 
 
 def check_model_supported(engine) -> None:
-    """Refuse models with DeepSpeed MoE layers or expert parameters (expert parallelism)."""
+    """Refuse pipeline modules, and models with DeepSpeed MoE layers or expert parameters."""
     from deepspeed.moe.utils import is_moe_param
+
+    _check_pipeline(engine)  # again: 0.19.0-0.19.3 set the flag only after _do_sanity_check
 
     experts = [name for name, p in engine.module.named_parameters() if is_moe_param(p)]
     if getattr(engine, "has_moe_layers", False) or experts:
@@ -91,9 +94,13 @@ def _mesh_size(mesh_device, dim: str) -> int:
     return int(mesh_device.mesh.shape[names.index(dim)]) if dim in names else 1
 
 
-def _check_parallelism(engine, params: dict[str, Any]) -> None:
+def _check_pipeline(engine) -> None:
     if getattr(engine, "pipeline_parallelism", False):
         raise _refuse("pipeline parallelism (a deepspeed.pipe.PipelineModule)", "train a plain torch module")
+
+
+def _check_parallelism(engine, params: dict[str, Any]) -> None:
+    _check_pipeline(engine)  # DeepSpeed 0.19.4+ set the flag before _do_sanity_check
     if bool((params.get("expert_parallel") or {}).get("enabled", False)):
         raise _refuse("expert_parallel.enabled (AutoEP)", "set it to false")
     autotp = engine.autotp_size() if hasattr(engine, "autotp_size") else 0
