@@ -4,8 +4,8 @@
 #   bash scripts/compat.sh                 # every release ds_canzona declares (ds_canzona/zero/hook.py)
 #   bash scripts/compat.sh 0.19.3 0.19.8   # just these
 #
-# Each release gets a fresh venv with torch 2.13.0 (the CPU build), that DeepSpeed, and the test
-# dependencies; ds_canzona is imported from a snapshot of the committed tree (git archive HEAD),
+# Each release gets a fresh venv with torch 2.13.0 (the CPU build), the test dependencies and that
+# DeepSpeed; ds_canzona is imported from a snapshot of the committed tree (git archive HEAD),
 # so editing the working tree during a run changes nothing. One summary line per release, then
 # the commit; the install and pytest output of each is kept in $COMPAT_LOGS (default: a new
 # temporary folder, printed at the end).
@@ -40,18 +40,22 @@ mkdir -p "$snapshot"
 git archive HEAD | tar -x -C "$snapshot"
 ln -s ../kernels "$snapshot/ds_canzona/kernels"   # as in a checkout (ignored by git)
 
+# torch and the test dependencies once, in a base venv that each release's venv starts as a copy
+# of (a venv is relocatable when run as venv/bin/python -m ...); DeepSpeed goes into the copy.
+base=$work/venv-base
+{
+  python -m venv "$base" &&
+  "$base/bin/python" -m pip install -q --disable-pip-version-check torch==2.13.0 &&
+  "$base/bin/python" -m pip install -q --disable-pip-version-check hjson pytest transformers accelerate safetensors
+} > "$logs/base.log" 2>&1 || { echo "the base venv did not install; see $logs/base.log"; exit 1; }
+
 summary=()
 for version in "${versions[@]}"; do
   venv=$work/venv-$version
   log=$logs/deepspeed-$version.log
   start=$(date +%s)
-  {
-    python -m venv "$venv" &&
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check torch==2.13.0 &&
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check "deepspeed==$version" hjson pytest \
-      transformers accelerate safetensors
-  } > "$log" 2>&1
-  if [ $? -ne 0 ]; then
+  cp -a "$base" "$venv"
+  if ! "$venv/bin/python" -m pip install -q --disable-pip-version-check "deepspeed==$version" > "$log" 2>&1; then
     line="deepspeed $version: FAIL (install; see $log)"
   else
     # A fresh extensions folder: DeepSpeed's CPU comm op is compiled against this release.
@@ -72,5 +76,5 @@ echo
 echo "ds_canzona commit $commit, torch 2.13.0 (CPU), $(date -u +%Y-%m-%d)"
 printf '%s\n' "${summary[@]}"
 echo "logs: $logs"
-rm -rf "$snapshot"
+rm -rf "$snapshot" "$base"
 ! printf '%s\n' "${summary[@]}" | grep -q ": FAIL"
