@@ -34,6 +34,9 @@ class FakeMpu:
     def get_sequence_parallel_world_size(self):
         return self.sizes.get("sequence", 1)
 
+    def get_pipe_parallel_world_size(self):
+        return self.sizes.get("pipe", 1)
+
 
 def _moe_model():
     import torch
@@ -65,16 +68,20 @@ REFUSED = [
     ("mpu tensor parallel", {}, {}, {"mpu": {"tensor": 2}}, "tensor/model parallel world size 2"),
     ("mpu sequence parallel", {}, {}, {"mpu": {"sequence": 2}}, "sequence parallel world size 2"),
     # DeepSpeed divides the world size by it: 0.5 here, so the batch size is left for it to derive.
+    ("mpu pipeline parallel", {}, {}, {"mpu": {"pipe": 2}}, "pipeline parallel world size 2"),
     ("sequence_parallel_size", {"sequence_parallel_size": 2, "train_batch_size": None}, {}, {},
      "sequence_parallel_size"),
     ("unmanaged accumulation", {"managed_gradient_accumulation": False}, {}, {}, "managed_gradient_accumulation"),
     ("zero++ weights", {}, {"zero_quantized_weights": True}, {}, "zero_quantized_weights"),
     ("zero++ gradients", {}, {"zero_quantized_gradients": True}, {}, "zero_quantized_gradients"),
     ("zero++ hpz", {}, {"zero_hpz_partition_size": 2}, {}, "zero_hpz_partition_size"),
+    ("zenflow", {}, {"zenflow": {"topk_ratio": 0.1}}, {}, "zero_optimization.zenflow"),
     ("offload", {}, {"offload_optimizer": {"device": "cpu"}}, {}, "offload_optimizer"),
     ("universal load", {"checkpoint": {"load_universal": True}}, {}, {}, "checkpoint.load_universal"),
     ("node-local storage", {"checkpoint": {"use_node_local_storage": True}}, {}, {}, "use_node_local_storage"),
     ("checkpoint writer", {"checkpoint": {"writer": {"type": "fast"}}}, {}, {}, "checkpoint.writer"),
+    ("pipeline-stage writes", {"checkpoint": {"parallel_write": {"pipeline_stage": True}}}, {}, {},
+     "checkpoint.parallel_write.pipeline_stage"),
     ("bf16 master weights", {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, {}, {},
      "bf16_master_weights_and_grads"),
     ("deepcompile", {"compile": {"deepcompile": True}}, {}, {}, "compile.deepcompile"),
@@ -119,10 +126,21 @@ def _outcomes(rank, world_size, cases):
     return outcomes
 
 
+def _compression_training_case() -> list:
+    """DeepSpeed 0.19.0-0.19.6 have compression training (0.19.7+ refuse the section themselves)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    if not hasattr(DeepSpeedEngine, "_configure_compression_scheduler"):
+        return []
+    section = {"weight_quantization": {"shared_parameters": {"enabled": False}, "different_groups": {}}}
+    return [("compression", {"compression_training": section}, {}, {}, "compression_training")]
+
+
 def test_refusals_are_one_clear_error_naming_the_key():
-    outcomes = run_ranks(_outcomes, 1, REFUSED, timeout=300)[0]
+    cases = REFUSED + _compression_training_case()
+    outcomes = run_ranks(_outcomes, 1, cases, timeout=300)[0]
     problems = []
-    for (label, *_, key), (kind, message) in zip(REFUSED, outcomes):
+    for (label, *_, key), (kind, message) in zip(cases, outcomes):
         if kind != "CanzonaConfigError" or key not in message or "\n" in message:
             problems.append(f"{label}: {kind}: {message}")
     assert not problems, "\n".join(problems)
