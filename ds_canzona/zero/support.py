@@ -76,8 +76,8 @@ def _check_stage_and_optimizer(engine) -> None:
         raise CanzonaConfigError(
             "the 'canzona' section needs an optimizer: add an 'optimizer' section with type Muon, Shampoo, SOAP or "
             "AdamW, or pass a ds_canzona.optim optimizer as deepspeed.initialize(optimizer=...)")
-    if engine.client_optimizer is None and name.lower() not in MATRIX_OPTIMIZERS and name.lower() not in ("adamw",
-                                                                                                          "adam"):
+    supported = {*MATRIX_OPTIMIZERS, "adamw", "adam"}
+    if engine.client_optimizer is None and name.lower() not in supported:
         raise CanzonaConfigError(f"the 'canzona' section supports optimizer types Muon, Shampoo, SOAP and AdamW, "
                                  f"got optimizer.type {name!r}")
 
