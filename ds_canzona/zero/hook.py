@@ -18,7 +18,9 @@ wrappers touch: 0.19.0-0.19.6 end ``_configure_optimizer`` by setting ``engine.q
 ``engine.compression_scheduler`` (read by ``_take_model_step``), 0.19.7 dropped both; 0.19.0-0.19.4
 hand the accumulation boundary to the optimizer as a bool attribute, 0.19.5+ through
 ``set_gradient_accumulation_boundary`` (``ds_canzona.zero.compat.at_accumulation_boundary``
-reads either); ``managed_gradient_accumulation`` exists from 0.19.4 on.
+reads either); 0.19.0-0.19.3 set ``engine.pipeline_parallelism`` only after ``_do_sanity_check``
+(the pipeline refusal is repeated in ``_configure_optimizer``); ``managed_gradient_accumulation``
+exists from 0.19.4 on.
 """
 
 from __future__ import annotations
