@@ -24,7 +24,7 @@ setup(
     include_package_data=True,
     install_requires=[
         "torch>=2.4",
-        "deepspeed>=0.19,<0.20",
+        "deepspeed>=0.19.0,<=0.19.8",  # the releases scripts/compat.sh passed on; see ds_canzona/zero/hook.py
         "triton>=3.0; platform_system=='Linux'",
         "hjson",
         "safetensors",

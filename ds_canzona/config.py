@@ -2,7 +2,9 @@
 
 DeepSpeed keeps unknown top-level sections without looking at them, so this section has to
 validate itself: an unknown key, a wrong type or a value out of range is one error naming the
-key. The model follows DeepSpeed's own config models (pydantic, ``extra="forbid"``).
+key. The model follows DeepSpeed's own config models (pydantic, ``extra="forbid"``), with strict
+types: a float key takes an int but not a bool or a string ("1.0"), an int key takes neither a
+float nor a bool, so a value is never silently converted.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class CanzonaConfigError(ValueError):
 class CanzonaConfig(DeepSpeedConfigModel):
     """The ``canzona`` section: how ds_canzona plans and runs the ZeRO-1/2 optimizer step."""
 
-    model_config = ConfigDict(extra="forbid", validate_default=True, validate_assignment=True,
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True, validate_assignment=True,
                               use_enum_values=True, populate_by_name=True, arbitrary_types_allowed=True,
                               protected_namespaces=())
 
@@ -53,9 +55,10 @@ class CanzonaConfig(DeepSpeedConfigModel):
     """roofline only: the device's matmul FLOP/s over its elementwise bytes/s. Default: 30 on the CPU, 150 on GPUs;
     `python -m ds_canzona.bench calibrate` measures it."""
 
-    split_numel: int | None = Field(DEFAULT_SPLIT_NUMEL, gt=0)
+    split_numel: int | None = Field(DEFAULT_SPLIT_NUMEL, ge=0)
     """Plan non-matrix tensors above this many elements as pieces of this size, each owned by one rank (AdamW is
-    elementwise), so a huge embedding does not bound the busiest rank. null: every tensor whole."""
+    elementwise), so a huge embedding does not bound the busiest rank. 0 or null: every tensor whole (0 is what
+    the planner CLI's --split-numel 0 means too)."""
 
     max_state_bytes_per_rank: int | None = Field(None, gt=0)
     """Hard cap on the bytes any one rank keeps for the items it owns (fp32 masters, optimizer state, reduced-gradient
@@ -80,6 +83,11 @@ class CanzonaConfig(DeepSpeedConfigModel):
             raise ValueError("'uniform' splits tensors across ranks; the runtime needs whole-tensor owners "
                              "(use 'alpha_balanced' or 'start_index')")
         return value
+
+    @field_validator("split_numel")
+    @classmethod
+    def _zero_means_whole(cls, value: int | None) -> int | None:
+        return None if value == 0 else value
 
     @model_validator(mode="after")
     def _balance_needs_roofline(self) -> "CanzonaConfig":

@@ -25,8 +25,18 @@ BAD_SECTIONS = [
     ({"machine_balance": -30.0}, "canzona.machine_balance"),
     ({"machine_balance": "fast"}, "canzona.machine_balance"),
     ({"cost_model": "flops", "machine_balance": 30.0}, "machine_balance applies to cost_model 'roofline' only"),
-    ({"split_numel": 0}, "canzona.split_numel"),
+    ({"split_numel": -1}, "canzona.split_numel"),
     ({"split_numel": 2.5}, "canzona.split_numel"),
+    ({"split_numel": True}, "canzona.split_numel"),
+    # Strict types: a float key takes an int, nothing else; nothing is converted.
+    ({"alpha": "1.0"}, "canzona.alpha"),
+    ({"alpha": True}, "canzona.alpha"),
+    ({"comm_timeout_s": "600"}, "canzona.comm_timeout_s"),
+    ({"machine_balance": False}, "canzona.machine_balance"),
+    ({"bucket_numel": 4000.0}, "canzona.bucket_numel"),
+    ({"bucket_numel": True}, "canzona.bucket_numel"),
+    ({"enabled": 1}, "canzona.enabled"),
+    ({"log_plan": "true"}, "canzona.log_plan"),
     ({"split_numel": "big"}, "canzona.split_numel"),
 ]
 
@@ -64,8 +74,8 @@ def test_bad_sections_and_combinations_raise_one_clear_error():
         ({}, {"optimizer": {"type": "Muon", "params": {"no_such_key": 1}}}),
     ]
     outcomes = run_ranks(_try_configs, 1, cases, timeout=240)[0]
-    expected_keys = [key for _, key in BAD_SECTIONS] + ["canzona", "stage 3", "stage", "lamb", "lr", "momentum",
-                                                        "ns_steps", "ns_method", "no_such_key"]
+    expected_keys = [key for _, key in BAD_SECTIONS] + ["canzona", "stage 3", "zero_optimization.stage is 0", "lamb",
+                                                        "lr", "momentum", "ns_steps", "ns_method", "no_such_key"]
     for (kind, message), key, case in zip(outcomes, expected_keys, cases):
         assert kind == "CanzonaConfigError", (case, kind, message)
         assert key in message, (case, message)
@@ -92,10 +102,24 @@ def test_no_section_or_disabled_builds_deepspeeds_own_optimizer():
     assert run_ranks(_disabled_is_stock, 1, timeout=240)[0] == [True, True]
 
 
-@pytest.mark.parametrize("version, ok", [("0.19.8", True), ("0.19.0", True), ("0.18.4", False), ("0.20.0", False)])
-def test_deepspeed_version_check(version, ok):
-    from ds_canzona.zero.hook import deepspeed_version_supported
-    assert deepspeed_version_supported(version) is ok
+def test_types_that_are_accepted_as_written():
+    import deepspeed  # noqa: F401  (before ds_canzona.config)
+    from ds_canzona.config import parse_canzona_section
+
+    config = parse_canzona_section({"canzona": {"alpha": 1, "comm_timeout_s": 600, "machine_balance": 30}})
+    assert (config.alpha, config.comm_timeout_s, config.machine_balance) == (1.0, 600.0, 30.0)
+    assert all(isinstance(v, float) for v in (config.alpha, config.comm_timeout_s, config.machine_balance))
+
+
+def test_split_numel_zero_means_whole_tensors_in_the_config_and_the_cli():
+    import deepspeed  # noqa: F401  (before ds_canzona.config)
+    from ds_canzona.config import parse_canzona_section
+    from ds_canzona.plan.report import _split_count
+
+    assert parse_canzona_section({"canzona": {"split_numel": 0}}).split_numel is None
+    assert parse_canzona_section({"canzona": {"split_numel": None}}).split_numel is None
+    assert parse_canzona_section({"canzona": {"split_numel": 500}}).split_numel == 500
+    assert _split_count("0") is None and _split_count("500") == 500
 
 
 def _plan_cost_labels(rank, world_size, sections):

@@ -142,6 +142,17 @@ def test_stage2_releases_gradient_buckets_and_equals_stage1_without_accumulation
     assert_params_equal(runs[2][0]["params"], single_process_replay(MUON, merged_grads(runs[2]), clip=1.0))
 
 
+def _fp16_supported() -> bool:
+    from deepspeed.accelerator import get_accelerator
+    return get_accelerator().is_fp16_supported()
+
+
+def _bf16_supported() -> bool:
+    from deepspeed.accelerator import get_accelerator
+    return get_accelerator().is_bf16_supported()
+
+
+@pytest.mark.skipif(not _bf16_supported(), reason="DeepSpeed's accelerator reports no bf16 on this machine")
 @pytest.mark.parametrize("split_numel", [None, 500])
 def test_bf16_keeps_fp32_masters_and_trains(split_numel):
     """With pieces too: a piece's fp32 master is a copy of its slice and is written back to it."""
@@ -168,12 +179,7 @@ def _different_alpha(rank, world_size):
     init_engine(config)
 
 
-def _fp16_supported() -> bool:
-    from deepspeed.accelerator import get_accelerator
-    return get_accelerator().is_fp16_supported()
-
-
-@pytest.mark.skipif(not _fp16_supported(), reason="this accelerator has no fp16")
+@pytest.mark.skipif(not _fp16_supported(), reason="DeepSpeed's accelerator reports no fp16 on this machine")
 def test_fp16_dynamic_loss_scale_halves_on_overflow_and_grows_after_the_window():
     config = make_config(2, stage=2, optimizer=MUON, gradient_accumulation_steps=1,
                          fp16={"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 2,
@@ -200,6 +206,56 @@ def _fp16_scale_trace(rank, world_size, config):
         engine.step()
         scales.append(engine.optimizer.loss_scale)
     return scales, engine.skipped_steps
+
+
+def test_dynamic_loss_scale_and_overflow_without_fp16():
+    """The loss-scale path of the optimizer, on any machine: fp32 with DeepSpeed's dynamic scaler.
+
+    DeepSpeed builds a dynamic scaler for fp16 only, and fp16 needs the accelerator to support it
+    (the test above); the scaling, unscaling, overflow skip and scale schedule are the optimizer's
+    own arithmetic whatever the dtype, so here an fp32 engine gets the same ``DynamicLossScaler``
+    fp16 would. Multiplying the loss by a power of two and dividing the gradients by it is exact in
+    fp32, so the parameters must equal, bit for bit, those of the unscaled run that skips the same
+    poisoned step (gradient accumulation 2, the poison on the boundary micro-batch of step 0).
+    """
+    config = make_config(2, stage=2, optimizer=MUON)
+    scaled, unscaled = run_ranks(_scaled_and_unscaled, 2, config, timeout=300)[0]
+    # 2**8 to start; the poisoned first step halves it and is skipped; two clean steps later (the
+    # window) it doubles back. The unscaled run skips the same step.
+    assert scaled["scales"][:5] == [256, 128, 128, 128, 256] and scaled["skipped"] == 1
+    assert unscaled["scales"] == [1] * 6 and unscaled["skipped"] == 1
+    assert_params_equal(scaled["params"], unscaled["params"])
+    assert not torch.equal(scaled["params"]["lm_head.weight"], scaled["initial"]["lm_head.weight"])
+
+
+def _scaled_and_unscaled(rank, world_size, config):
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    from tiny_model import batches
+    from zero_workers import _poison, init_engine
+
+    runs = []
+    for dynamic in (True, False):
+        engine = init_engine(config)
+        zero = engine.optimizer
+        if dynamic:
+            zero.loss_scaler = DynamicLossScaler(init_scale=2**8, scale_window=2, min_scale=1, delayed_shift=1,
+                                                 consecutive_hysteresis=False, dtype=torch.float32)
+            zero.dynamic_loss_scale = True
+        initial = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        scales = [zero.loss_scale]
+        for step in range(5):
+            for micro in range(engine.gradient_accumulation_steps()):
+                loss = engine(batches(step, micro, rank, world_size))
+                last = micro == engine.gradient_accumulation_steps() - 1
+                handle = next(engine.module.parameters()).register_hook(_poison) if step == 0 and last else None
+                engine.backward(loss)
+                if handle:
+                    handle.remove()
+                engine.step()
+            scales.append(zero.loss_scale)
+        runs.append({"scales": scales, "skipped": engine.skipped_steps, "initial": initial,
+                     "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()}})
+    return runs
 
 
 def _lr_traces(rank, world_size):

@@ -386,10 +386,12 @@ def _train_run(rank: int, world_size: int, run: dict) -> dict:
     zero = engine.optimizer
     ga = engine.gradient_accumulation_steps()
     grads, raw, launched_before_flush = [], [], []
+    from ds_canzona.zero.compat import at_accumulation_boundary
+
     flush = zero.overlapping_partition_gradients_reduce_epilogue  # the engine calls it after each backward
 
     def counting_flush():
-        if zero.is_gradient_accumulation_boundary():
+        if at_accumulation_boundary(zero):
             launched_before_flush.append(len(zero.plan.buckets) - 1 - zero._next_bucket)
         flush()
 

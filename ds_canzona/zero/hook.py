@@ -1,13 +1,26 @@
-"""The patch surface into DeepSpeed's engine: three methods, version-checked.
+"""The patch surface into DeepSpeed's engine: five methods, version-checked.
 
 DeepSpeed has no registry for third-party ZeRO optimizers, so ds_canzona wraps exactly these
 ``DeepSpeedEngine`` methods, and each wrapper hands over to the original unless the config has
 an enabled ``canzona`` section:
 
-- ``_do_sanity_check``: validates the ``canzona`` section (the first thing the engine does with
-  the config, before any buffer exists) and lets "Shampoo"/"SOAP" pass DeepSpeed's name check;
-- ``_configure_optimizer``: builds the ds_canzona optimizer and its ZeRO-1/2 runtime;
-- ``save_checkpoint`` / ``load_checkpoint``: ds_canzona's per-tensor checkpoint format;
+- ``_do_sanity_check``: checks the DeepSpeed version, validates the ``canzona`` section and
+  refuses what the runtime does not implement (``ds_canzona.zero.support``): the first thing the
+  engine does with the config, before any buffer exists;
+- ``_is_supported_optimizer``: lets "Shampoo"/"SOAP" pass DeepSpeed's name check;
+- ``_configure_optimizer``: refuses MoE models, then builds the ds_canzona optimizer and its
+  ZeRO-1/2 runtime, and sets the engine attributes the original sets for later engine methods;
+- ``save_checkpoint`` / ``load_checkpoint``: ds_canzona's per-tensor checkpoint format.
+
+Checked against DeepSpeed 0.19.0-0.19.8 (``SUPPORTED_DEEPSPEED_VERSIONS``; ``scripts/compat.sh``
+runs a runtime subset of the tests against each). Where those releases differ in what these
+wrappers touch: 0.19.0-0.19.6 end ``_configure_optimizer`` by setting ``engine.quantizer`` and
+``engine.compression_scheduler`` (read by ``_take_model_step``), 0.19.7 dropped both; 0.19.0-0.19.4
+hand the accumulation boundary to the optimizer as a bool attribute, 0.19.5+ through
+``set_gradient_accumulation_boundary`` (``ds_canzona.zero.compat.at_accumulation_boundary``
+reads either); 0.19.0-0.19.3 set ``engine.pipeline_parallelism`` only after ``_do_sanity_check``
+(the pipeline refusal is repeated in ``_configure_optimizer``); ``managed_gradient_accumulation``
+exists from 0.19.4 on.
 
 and one method of DeepSpeed's ``DeepSpeedConfig``, which checks the batch sizes before the engine
 exists:
@@ -20,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 
 # Neither DeepSpeed nor ds_canzona.config is imported at the top: this module is loaded while
 # DeepSpeed's engine module is being imported, possibly from inside ds_canzona.config's own
@@ -27,12 +41,27 @@ import logging
 
 logger = logging.getLogger("ds_canzona")
 
-SUPPORTED_DEEPSPEED = "0.19."
+# The releases scripts/compat.sh passed on (docs/NOTES.md, "DeepSpeed versions"); setup.py
+# declares the same range.
+SUPPORTED_DEEPSPEED_VERSIONS = tuple(f"0.19.{patch}" for patch in range(9))
 _PATCHED_FLAG = "_ds_canzona_patched"
 
 
 def deepspeed_version_supported(version: str) -> bool:
-    return version.startswith(SUPPORTED_DEEPSPEED)
+    """Whether ``version`` (local suffixes such as "+abc123" ignored) is one ds_canzona was tested with."""
+    release = re.match(r"\d+\.\d+\.\d+", version)
+    return release is not None and release.group(0) in SUPPORTED_DEEPSPEED_VERSIONS
+
+
+def check_deepspeed_version(version: str) -> None:
+    from ds_canzona.config import CanzonaConfigError
+
+    if not deepspeed_version_supported(version):
+        raise CanzonaConfigError(
+            f"the 'canzona' section needs DeepSpeed {SUPPORTED_DEEPSPEED_VERSIONS[0]} to "
+            f"{SUPPORTED_DEEPSPEED_VERSIONS[-1]} (tested: {', '.join(SUPPORTED_DEEPSPEED_VERSIONS)}), found "
+            f"{version}: install one of them (pip install 'deepspeed>={SUPPORTED_DEEPSPEED_VERSIONS[0]},"
+            f"<={SUPPORTED_DEEPSPEED_VERSIONS[-1]}') or remove the 'canzona' section")
 
 
 def _canzona_enabled(engine) -> bool:
@@ -43,36 +72,19 @@ def _wrap_sanity_check(original):
 
     @functools.wraps(original)
     def _do_sanity_check(self):
-        from ds_canzona.config import CanzonaConfigError, parse_canzona_section
+        from ds_canzona.config import parse_canzona_section
 
         import deepspeed
 
         config = parse_canzona_section(self._config._param_dict)
-        if config is not None and not deepspeed_version_supported(deepspeed.__version__):
-            raise CanzonaConfigError(f"ds_canzona supports deepspeed {SUPPORTED_DEEPSPEED}x, found "
-                                     f"{deepspeed.__version__}; remove the 'canzona' section or install deepspeed 0.19")
-        self._canzona_config = config
         if config is not None:
-            _check_engine_config(self)
+            check_deepspeed_version(deepspeed.__version__)
+            from ds_canzona.zero.support import check_config_supported
+            check_config_supported(self)
+        self._canzona_config = config
         return original(self)
 
     return _do_sanity_check
-
-
-def _check_engine_config(engine) -> None:
-    from ds_canzona.config import MATRIX_OPTIMIZERS, CanzonaConfigError
-
-    stage = engine.zero_optimization_stage()
-    if stage not in (1, 2):
-        raise CanzonaConfigError(f"the 'canzona' section needs zero_optimization.stage 1 or 2, got {stage} "
-                                 "(stage 3 is not supported yet)")
-    if engine.zero_cpu_offload():
-        raise CanzonaConfigError("the 'canzona' section does not support zero_optimization.offload_optimizer yet")
-    name = engine.optimizer_name()
-    if engine.client_optimizer is None and name is not None and name.lower() not in MATRIX_OPTIMIZERS \
-            and name.lower() not in ("adamw", "adam"):
-        raise CanzonaConfigError(f"the 'canzona' section supports optimizer types Muon, Shampoo, SOAP and AdamW, "
-                                 f"got {name!r}")
 
 
 def _wrap_is_supported_optimizer(original):
@@ -95,9 +107,16 @@ def _wrap_configure_optimizer(original):
         if not _canzona_enabled(self):
             return original(self, client_optimizer, model_parameters)
         from ds_canzona.zero.build import build_canzona_optimizer
+        from ds_canzona.zero.support import check_model_supported
         from ds_canzona.zero.timeouts import apply_comm_timeout
+        check_model_supported(self)
         apply_comm_timeout(self, self._canzona_config.comm_timeout_s)
         self.basic_optimizer, self.optimizer = build_canzona_optimizer(self, client_optimizer, model_parameters)
+        if hasattr(self, "_configure_compression_scheduler"):
+            # DeepSpeed 0.19.0-0.19.6: the original ends by setting these, and _take_model_step
+            # reads them on every step (compression_training itself is refused).
+            self.compression_scheduler = self._configure_compression_scheduler()
+            self.quantizer = self._configure_quantization()
 
     return _configure_optimizer
 

@@ -52,6 +52,7 @@ from ds_canzona.optim import rule_for_group
 from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
 from ds_canzona.plan import CostModel, DPPlan, MemoryCapError, ParamSpec, StateMemory, memory_model, plan_dp_partitions
 from ds_canzona.zero.comm import CommCounter, all_gather_uneven, all_reduce_sum, reduce_scatter_uneven
+from ds_canzona.zero.compat import at_accumulation_boundary
 
 # Stage 2 reduce-scatters launched and not yet waited on. One is not enough on a busy host: the
 # next bucket's gradients then wait inside backward for the previous collective (measured with
@@ -405,7 +406,7 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
             # only when backward has ended.
             self.early_launch = False
             return
-        if self.partition_gradients and self.is_gradient_accumulation_boundary():
+        if self.partition_gradients and at_accumulation_boundary(self):
             self._pending[bucket] -= 1
             if self.early_launch and self._pending[bucket] == 0:
                 self._launch_ready_buckets()
@@ -474,7 +475,7 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
 
     def overlapping_partition_gradients_reduce_epilogue(self) -> None:
         """Engine hook after every backward under stage 2: flush at the boundary."""
-        if self.is_gradient_accumulation_boundary():
+        if at_accumulation_boundary(self):
             self._finish_reduction()
 
     def reduce_gradients(self, pipeline_parallel: bool = False) -> None:

@@ -1,0 +1,185 @@
+"""What the engine hook accepts from the rest of a DeepSpeed setup, and what it refuses.
+
+ds_canzona replaces DeepSpeed's ZeRO-1/2 optimizer for plain data parallelism. Anything that
+would change which gradients a rank holds (expert, pipeline, tensor or sequence parallelism), that
+DeepSpeed would implement by calling methods this optimizer does not have, or that DeepSpeed's own
+optimizer or checkpoint code would honour and this runtime would silently ignore, is refused here:
+one ``CanzonaConfigError`` naming the key or feature and saying what to do, raised inside
+``deepspeed.initialize`` before ds_canzona allocates anything.
+
+Two entry points, because the engine learns about the model late:
+
+- ``check_config_supported`` runs from the wrapped ``_do_sanity_check``: the config and the
+  ``mpu`` are known (and, from DeepSpeed 0.19.4 on, whether the model is a pipeline module); the
+  model is not yet stored on the engine;
+- ``check_model_supported`` runs first thing in the wrapped ``_configure_optimizer``: DeepSpeed
+  has scanned the model for MoE layers by then, and nothing of ds_canzona exists yet.
+
+Keys that DeepSpeed reads but that have no numeric effect on this runtime (``overlap_comm``,
+``contiguous_gradients``, ``reduce_scatter``, ``allgather_bucket_size``, ``round_robin_gradients``,
+...) are accepted; docs/ARCHITECTURE.md lists what each means here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ds_canzona.config import MATRIX_OPTIMIZERS, CanzonaConfigError
+
+_REMOVE = "or remove the 'canzona' section to use DeepSpeed's own optimizer"
+
+
+def _refuse(what: str, fix: str) -> CanzonaConfigError:
+    return CanzonaConfigError(f"{what} is not supported with the 'canzona' section: {fix}, {_REMOVE}")
+
+
+def check_config_supported(engine) -> None:
+    """Refuse what the config, the mpu or a pipeline module ask for that the runtime lacks."""
+    params = engine._config._param_dict
+    _check_stage_and_optimizer(engine)
+    _check_parallelism(engine, params)
+    _check_zero_keys(engine, params)
+    _check_precision_keys(engine)
+    _check_checkpoint_keys(params)
+    _check_engine_features(params)
+
+
+def check_model_supported(engine) -> None:
+    """Refuse pipeline modules, and models with DeepSpeed MoE layers or expert parameters."""
+    from deepspeed.moe.utils import is_moe_param
+
+    _check_pipeline(engine)  # again: 0.19.0-0.19.3 set the flag only after _do_sanity_check
+
+    experts = [name for name, p in engine.module.named_parameters() if is_moe_param(p)]
+    if getattr(engine, "has_moe_layers", False) or experts:
+        where = f", e.g. {experts[0]}" if experts else ""
+        raise _refuse(f"expert parallelism (deepspeed.moe layers in the model{where})",
+                      "their gradients would be averaged over the whole data-parallel group; use a model without "
+                      "deepspeed.moe.layer.MoE")
+
+
+# ----------------------------------------------------------------------------- the checks
+
+
+def _check_stage_and_optimizer(engine) -> None:
+    stage = engine.zero_optimization_stage()
+    if stage == 0:
+        raise CanzonaConfigError(
+            "the 'canzona' section replaces DeepSpeed's ZeRO stage 1/2 optimizer, and zero_optimization.stage is 0 "
+            f"(no ZeRO): set zero_optimization.stage to 1 or 2, {_REMOVE}")
+    if stage not in (1, 2):
+        raise _refuse(f"zero_optimization.stage {stage}", "use stage 1 or 2 (stage 3 is planned, not built)")
+    if engine.zero_cpu_offload():
+        raise _refuse("zero_optimization.offload_optimizer", "remove it (optimizer state stays on the device)")
+    name = engine.optimizer_name()
+    if engine.client_optimizer is None and name is None:
+        raise CanzonaConfigError(
+            "the 'canzona' section needs an optimizer: add an 'optimizer' section with type Muon, Shampoo, SOAP or "
+            "AdamW, or pass a ds_canzona.optim optimizer as deepspeed.initialize(optimizer=...)")
+    supported = {*MATRIX_OPTIMIZERS, "adamw", "adam"}
+    if engine.client_optimizer is None and name.lower() not in supported:
+        raise CanzonaConfigError(f"the 'canzona' section supports optimizer types Muon, Shampoo, SOAP and AdamW, "
+                                 f"got optimizer.type {name!r}")
+
+
+def _mpu_size(mpu, *methods: str) -> int:
+    for method in methods:
+        if hasattr(mpu, method):
+            return int(getattr(mpu, method)())
+    return 1
+
+
+def _mesh_size(mesh_device, dim: str) -> int:
+    names = getattr(mesh_device, "mesh_dim_names", None) or ()
+    return int(mesh_device.mesh.shape[names.index(dim)]) if dim in names else 1
+
+
+def _check_pipeline(engine) -> None:
+    if getattr(engine, "pipeline_parallelism", False):
+        raise _refuse("pipeline parallelism (a deepspeed.pipe.PipelineModule)", "train a plain torch module")
+
+
+def _check_parallelism(engine, params: dict[str, Any]) -> None:
+    _check_pipeline(engine)  # DeepSpeed 0.19.4+ set the flag before _do_sanity_check
+    if bool((params.get("expert_parallel") or {}).get("enabled", False)):
+        raise _refuse("expert_parallel.enabled (AutoEP)", "set it to false")
+    autotp = engine.autotp_size() if hasattr(engine, "autotp_size") else 0
+    if (autotp or 0) > 1:
+        raise _refuse(f"tensor_parallel.autotp_size {autotp}",
+                      "Muon would orthogonalise shards of each matrix; set it to 0 or 1")
+    sequence = params.get("sequence_parallel_size", 1)
+    if isinstance(sequence, int) and sequence > 1:
+        raise _refuse(f"sequence_parallel_size {sequence}", "set it to 1")
+    mesh = getattr(engine, "mesh_device", None)
+    if mesh is not None and _mesh_size(mesh, "sequence_parallel") > 1:
+        raise _refuse("a device mesh with a sequence_parallel dimension above 1 (mesh_param)", "use data parallelism only")
+    mpu = getattr(engine, "mpu", None)
+    if mpu is None:
+        return
+    tensor = _mpu_size(mpu, "get_tensor_model_parallel_world_size", "get_model_parallel_world_size")
+    if tensor > 1:
+        raise _refuse(f"an mpu with tensor/model parallel world size {tensor}",
+                      "Muon would orthogonalise shards of each matrix; pass mpu=None or an mpu of size 1")
+    pipe = _mpu_size(mpu, "get_pipeline_model_parallel_world_size", "get_pipe_parallel_world_size")
+    if pipe > 1:
+        raise _refuse(f"an mpu with pipeline parallel world size {pipe}", "pass mpu=None or an mpu of size 1")
+    sequence = _mpu_size(mpu, "get_sequence_parallel_world_size")
+    if sequence > 1:
+        raise _refuse(f"an mpu with sequence parallel world size {sequence}", "pass mpu=None or an mpu of size 1")
+
+
+# ZeRO++ and other ZeRO features built into DeepSpeed's own optimizers, by the key a user writes.
+_ZERO_FEATURES = {
+    "zero_quantized_weights": "ZeRO++ quantized weights (zero_optimization.zero_quantized_weights)",
+    "zero_quantized_nontrainable_weights": "ZeRO++ quantized weights (zero_optimization.zero_quantized_nontrainable_weights)",
+    "zero_quantized_gradients": "ZeRO++ quantized gradients (zero_optimization.zero_quantized_gradients)",
+}
+
+
+def _check_zero_keys(engine, params: dict[str, Any]) -> None:
+    zero = engine._config.zero_config
+    for key, what in _ZERO_FEATURES.items():
+        if getattr(zero, key, False):
+            raise _refuse(what, f"set zero_optimization.{key} to false")
+    hpz = getattr(zero, "zero_hpz_partition_size", 1) or 1
+    if hpz > 1:
+        raise _refuse(f"ZeRO++ hierarchical partitioning (zero_optimization.zero_hpz_partition_size {hpz})",
+                      "set it to 1")
+    if getattr(zero, "zenflow", None) is not None:
+        raise _refuse("ZenFlow (zero_optimization.zenflow)", "remove the zenflow section")
+    if params.get("managed_gradient_accumulation", True) is False:
+        raise _refuse("managed_gradient_accumulation: false (DeepSpeed would call "
+                      "finalize_gradient_accumulation_boundary, which this optimizer does not have)",
+                      "leave managed_gradient_accumulation at its default (true)")
+
+
+def _check_precision_keys(engine) -> None:
+    for method, key in (("bf16_master_weights_and_gradients", "bf16.bf16_master_weights_and_grads"),
+                        ("bf16_optimizer_states", "bf16.bf16_optimizer_states"),
+                        ("fp16_master_weights_and_gradients", "fp16.fp16_master_weights_and_grads")):
+        if hasattr(engine, method) and getattr(engine, method)():
+            raise _refuse(key, "remove it (ds_canzona keeps fp32 masters and fp32 optimizer state)")
+
+
+def _check_checkpoint_keys(params: dict[str, Any]) -> None:
+    checkpoint = params.get("checkpoint") or {}
+    if checkpoint.get("load_universal", False):
+        raise _refuse("checkpoint.load_universal (universal checkpoints)",
+                      "ds_canzona's own checkpoints load at any world size already; remove the key")
+    if checkpoint.get("use_node_local_storage", False):
+        raise _refuse("checkpoint.use_node_local_storage", "save to storage every rank can read; remove the key")
+    if (checkpoint.get("parallel_write") or {}).get("pipeline_stage", False):
+        raise _refuse("checkpoint.parallel_write.pipeline_stage", "remove the key (there are no pipeline stages)")
+    if checkpoint.get("writer") is not None:
+        raise _refuse("checkpoint.writer (DeepSpeed's checkpoint engines)",
+                      "remove the key (ds_canzona writes its own per-tensor files)")
+
+
+def _check_engine_features(params: dict[str, Any]) -> None:
+    if params.get("compression_training"):
+        raise _refuse("compression_training (DeepSpeed's compression library)", "remove the section")
+    if bool((params.get("compile") or {}).get("deepcompile", False)):
+        raise _refuse("compile.deepcompile", "set it to false")
+
+
+__all__ = ["check_config_supported", "check_model_supported"]

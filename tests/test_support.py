@@ -1,0 +1,200 @@
+"""What the engine hook refuses (ds_canzona.zero.support) and what it accepts, at deepspeed.initialize.
+
+Every refusal must be one CanzonaConfigError that names the key or feature, raised before
+ds_canzona allocates anything; the cases run one after another in one spawned rank (world size 1
+is enough: each is refused before any collective of ours). Keys with no numeric effect here must
+still build an engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from distributed import run_ranks
+
+
+class FakeMpu:
+    """An mpu as Megatron-style code passes one: data parallel of size 1 plus one other dimension."""
+
+    def __init__(self, **sizes: int):
+        self.sizes = sizes
+
+    def get_data_parallel_world_size(self):
+        return 1
+
+    def get_data_parallel_rank(self):
+        return 0
+
+    def get_model_parallel_world_size(self):
+        return self.sizes.get("tensor", 1)
+
+    def get_model_parallel_rank(self):
+        return 0
+
+    def get_sequence_parallel_world_size(self):
+        return self.sizes.get("sequence", 1)
+
+    def get_pipe_parallel_world_size(self):
+        return self.sizes.get("pipe", 1)
+
+
+def _moe_model():
+    import torch
+    from deepspeed.moe.layer import MoE
+    from tiny_model import make_model
+
+    model = make_model()
+    model.moe = MoE(hidden_size=24, expert=torch.nn.Linear(24, 24), num_experts=2, ep_size=1)
+    return model
+
+
+def _pipeline_model():
+    import torch
+    from deepspeed.pipe import PipelineModule
+
+    return PipelineModule(layers=[torch.nn.Linear(8, 8)], num_stages=1, loss_fn=torch.nn.MSELoss())
+
+
+# (label, top-level config changes, zero_optimization changes, what initialize gets besides the config,
+#  what the message must contain)
+REFUSED = [
+    ("stage 0", {}, {"stage": 0}, {}, "zero_optimization.stage is 0"),
+    ("stage 3", {}, {"stage": 3}, {}, "stage 3"),
+    ("no optimizer", {"optimizer": None}, {}, {}, "needs an optimizer"),
+    ("pipeline module", {}, {}, {"model": "pipeline"}, "pipeline parallelism"),
+    ("moe layers", {}, {}, {"model": "moe"}, "deepspeed.moe"),
+    ("autoep", {"expert_parallel": {"enabled": True}}, {}, {}, "expert_parallel.enabled"),
+    ("autotp", {"tensor_parallel": {"autotp_size": 2}}, {}, {}, "tensor_parallel.autotp_size"),
+    ("mpu tensor parallel", {}, {}, {"mpu": {"tensor": 2}}, "tensor/model parallel world size 2"),
+    ("mpu sequence parallel", {}, {}, {"mpu": {"sequence": 2}}, "sequence parallel world size 2"),
+    # DeepSpeed divides the world size by it: 0.5 here, so the batch size is left for it to derive.
+    ("mpu pipeline parallel", {}, {}, {"mpu": {"pipe": 2}}, "pipeline parallel world size 2"),
+    ("sequence_parallel_size", {"sequence_parallel_size": 2, "train_batch_size": None}, {}, {},
+     "sequence_parallel_size"),
+    ("unmanaged accumulation", {"managed_gradient_accumulation": False}, {}, {}, "managed_gradient_accumulation"),
+    ("zero++ weights", {}, {"zero_quantized_weights": True}, {}, "zero_quantized_weights"),
+    ("zero++ gradients", {}, {"zero_quantized_gradients": True}, {}, "zero_quantized_gradients"),
+    ("zero++ hpz", {}, {"zero_hpz_partition_size": 2}, {}, "zero_hpz_partition_size"),
+    ("zenflow", {}, {"zenflow": {"topk_ratio": 0.1}}, {}, "zero_optimization.zenflow"),
+    ("offload", {}, {"offload_optimizer": {"device": "cpu"}}, {}, "offload_optimizer"),
+    ("universal load", {"checkpoint": {"load_universal": True}}, {}, {}, "checkpoint.load_universal"),
+    ("node-local storage", {"checkpoint": {"use_node_local_storage": True}}, {}, {}, "use_node_local_storage"),
+    ("checkpoint writer", {"checkpoint": {"writer": {"type": "fast"}}}, {}, {}, "checkpoint.writer"),
+    ("pipeline-stage writes", {"checkpoint": {"parallel_write": {"pipeline_stage": True}}}, {}, {},
+     "checkpoint.parallel_write.pipeline_stage"),
+    ("bf16 master weights", {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, {}, {},
+     "bf16_master_weights_and_grads"),
+    ("deepcompile", {"compile": {"deepcompile": True}}, {}, {}, "compile.deepcompile"),
+]
+
+# Read by DeepSpeed's own ZeRO-1/2 for its communication schedule; no numeric effect here.
+ACCEPTED_ZERO_KEYS = {"overlap_comm": True, "contiguous_gradients": False, "reduce_scatter": False,
+                      "allgather_bucket_size": 1000, "allgather_partitions": False, "round_robin_gradients": True,
+                      "reduce_bucket_size": 3000, "use_multi_rank_bucket_allreduce": False,
+                      "elastic_checkpoint": True, "ignore_unused_parameters": False}
+
+
+def _initialize(config: dict, extra: dict):
+    import deepspeed
+    import ds_canzona  # noqa: F401  (registers the engine hook)
+    from tiny_model import make_model
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = {"pipeline": _pipeline_model, "moe": _moe_model}.get(extra.get("model"), make_model)()
+    mpu = FakeMpu(**extra["mpu"]) if "mpu" in extra else None
+    engine, *_ = deepspeed.initialize(model=model, config=config, mpu=mpu)
+    return engine
+
+
+def _outcomes(rank, world_size, cases):
+    from zero_workers import make_config
+    from ds_canzona.config import CanzonaConfigError
+
+    outcomes = []
+    for _, top, zero, extra, _ in cases:
+        config = make_config(world_size)
+        config["zero_optimization"].update(zero)
+        config.update(top)
+        config = {key: value for key, value in config.items() if value is not None}
+        try:
+            engine = _initialize(config, extra)
+            outcomes.append(("ok", type(engine.optimizer).__name__))
+        except CanzonaConfigError as error:
+            outcomes.append(("CanzonaConfigError", str(error)))
+        except Exception as error:  # anything else is a bug in how we report bad input
+            outcomes.append((type(error).__name__, str(error)[:300]))
+    return outcomes
+
+
+def _compression_training_case() -> list:
+    """DeepSpeed 0.19.0-0.19.6 have compression training (0.19.7+ refuse the section themselves)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    if not hasattr(DeepSpeedEngine, "_configure_compression_scheduler"):
+        return []
+    section = {"weight_quantization": {"shared_parameters": {"enabled": False}, "different_groups": {}}}
+    return [("compression", {"compression_training": section}, {}, {}, "compression_training")]
+
+
+def test_refusals_are_one_clear_error_naming_the_key():
+    cases = REFUSED + _compression_training_case()
+    outcomes = run_ranks(_outcomes, 1, cases, timeout=300)[0]
+    problems = []
+    for (label, *_, key), (kind, message) in zip(cases, outcomes):
+        if kind != "CanzonaConfigError" or key not in message or "\n" in message:
+            problems.append(f"{label}: {kind}: {message}")
+    assert not problems, "\n".join(problems)
+    stage0 = outcomes[0][1]
+    assert "stage 3" not in stage0 and "set zero_optimization.stage to 1 or 2" in stage0
+
+
+def test_keys_without_numeric_effect_are_accepted():
+    cases = [("accepted", {}, ACCEPTED_ZERO_KEYS, {}, "")]
+    [(kind, optimizer)] = run_ranks(_outcomes, 1, cases, timeout=300)[0]
+    assert (kind, optimizer) == ("ok", "CanzonaZeroOptimizer")
+
+
+@pytest.mark.parametrize("version, ok", [("0.19.8", True), ("0.19.0", True), ("0.19.4+6a4f3c1", True),
+                                         ("0.18.4", False), ("0.20.0", False), ("0.19.9", False),
+                                         ("0.19.10", False), ("garbage", False)])
+def test_deepspeed_version_check(version, ok):
+    from ds_canzona.zero.hook import check_deepspeed_version, deepspeed_version_supported
+    from ds_canzona.config import CanzonaConfigError
+
+    assert deepspeed_version_supported(version) is ok
+    if not ok:
+        with pytest.raises(CanzonaConfigError, match=rf"found {version}: install one of them") as info:
+            check_deepspeed_version(version)
+        assert "0.19.0" in str(info.value) and "0.19.8" in str(info.value)
+
+
+def test_setup_declares_the_versions_the_hook_accepts():
+    import re
+    from pathlib import Path
+    from ds_canzona.zero.hook import SUPPORTED_DEEPSPEED_VERSIONS
+
+    setup = (Path(__file__).resolve().parent.parent / "setup.py").read_text()
+    [requirement] = re.findall(r'"deepspeed([^"]*)"', setup)
+    assert requirement == f">={SUPPORTED_DEEPSPEED_VERSIONS[0]},<={SUPPORTED_DEEPSPEED_VERSIONS[-1]}"
+    patches = [int(v.rsplit(".", 1)[1]) for v in SUPPORTED_DEEPSPEED_VERSIONS]
+    assert patches == list(range(patches[0], patches[-1] + 1)), "a range in setup.py needs a contiguous set"
+
+
+def test_accumulation_boundary_as_attribute_or_method():
+    from ds_canzona.zero.compat import at_accumulation_boundary
+
+    class Old:  # DeepSpeed 0.19.0-0.19.4: a bool attribute, absent until the engine first sets it
+        pass
+
+    class New:  # 0.19.5+: a method
+        def __init__(self, flag):
+            self.flag = flag
+
+        def is_gradient_accumulation_boundary(self):
+            return self.flag
+
+    old = Old()
+    assert at_accumulation_boundary(old) is True
+    old.is_gradient_accumulation_boundary = False
+    assert at_accumulation_boundary(old) is False
+    assert at_accumulation_boundary(New(False)) is False and at_accumulation_boundary(New(True)) is True
