@@ -33,9 +33,10 @@ class Agreement:
             return mine.view(1, -1).cpu()
         import deepspeed.comm as dist
 
-        everyone = torch.empty(self.world_size * mine.numel(), dtype=torch.int64, device=self.device)
-        dist.all_gather_into_tensor(everyone, mine, group=self.group)
-        return everyone.view(self.world_size, -1).cpu()
+        # The list form: torch deprecates all_gather_into_tensor (a FutureWarning on every call).
+        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(rows, mine, group=self.group)
+        return torch.stack(rows).cpu()
 
     def check(self, rows: torch.Tensor, error: BaseException | None, action: str) -> None:
         """Raise on every rank if ``action`` failed on any (column 0 is the success flag)."""
