@@ -85,6 +85,9 @@ REFUSED = [
     ("bf16 master weights", {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, {}, {},
      "bf16_master_weights_and_grads"),
     ("deepcompile", {"compile": {"deepcompile": True}}, {}, {}, "compile.deepcompile"),
+    ("zero++ nontrainable weights", {}, {"zero_quantized_nontrainable_weights": True}, {},
+     "zero_quantized_nontrainable_weights"),
+    ("optimizer type", {"optimizer": {"type": "Lamb", "params": {"lr": 0.01}}}, {}, {}, "optimizer types Muon, Shampoo, SOAP and AdamW"),
 ]
 
 # Read by DeepSpeed's own ZeRO-1/2 for its communication schedule; no numeric effect here.
@@ -136,8 +139,18 @@ def _compression_training_case() -> list:
     return [("compression", {"compression_training": section}, {}, {}, "compression_training")]
 
 
+def _fp16_cases() -> list:
+    """fp16 keys, where the accelerator has fp16 (elsewhere DeepSpeed refuses fp16 itself, first)."""
+    from deepspeed.accelerator import get_accelerator
+
+    if not get_accelerator().is_fp16_supported():
+        return []
+    return [("fp16 master weights", {"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, {}, {},
+             "fp16_master_weights_and_grads")]
+
+
 def test_refusals_are_one_clear_error_naming_the_key():
-    cases = REFUSED + _compression_training_case()
+    cases = REFUSED + _compression_training_case() + _fp16_cases()
     outcomes = run_ranks(_outcomes, 1, cases, timeout=300)[0]
     problems = []
     for (label, *_, key), (kind, message) in zip(cases, outcomes):

@@ -34,7 +34,7 @@ def accelerate_process_count() -> int | None:
     return int(state_module.PartialState().num_processes)
 
 
-def batch_world_size_error(*, train_batch: int, micro_batch: int, grad_acc: int, world_size: int,
+def batch_world_size_error(*, train_batch: int, micro_batch: int, grad_acc: int, world_size: float,
                            process_count: int | None, total_processes: int, on_cpu: bool) -> str | None:
     """The one-line message for a world-size or batch-size mismatch, or None when all agree.
 
@@ -75,7 +75,7 @@ def _wrap_batch_assertion(original):
             total = dist.get_world_size() if dist.is_initialized() else 1
             message = batch_world_size_error(
                 train_batch=self.train_batch_size, micro_batch=self.train_micro_batch_size_per_gpu,
-                grad_acc=self.gradient_accumulation_steps, world_size=int(self.world_size),
+                grad_acc=self.gradient_accumulation_steps, world_size=self.world_size,  # a float when sequence parallelism divides it
                 process_count=accelerate_process_count(), total_processes=total,
                 on_cpu=get_accelerator().device_name() == "cpu")
             if message is not None:
