@@ -161,6 +161,28 @@ def test_refusals_are_one_clear_error_naming_the_key():
     assert "stage 3" not in stage0 and "set zero_optimization.stage to 1 or 2" in stage0
 
 
+def _mesh_outcome(rank, world_size):
+    import deepspeed
+    import ds_canzona  # noqa: F401  (registers the engine hook)
+    from ds_canzona.config import CanzonaConfigError
+    from tiny_model import make_model
+    from zero_workers import make_config
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = make_config(world_size)
+    config.pop("train_batch_size")  # DeepSpeed derives it from the mesh's data-parallel size
+    try:
+        deepspeed.initialize(model=make_model(), config=config, mesh_param=(1, world_size))
+    except CanzonaConfigError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_a_mesh_with_sequence_parallelism_is_refused():
+    messages = run_ranks(_mesh_outcome, 2, timeout=300)
+    assert all("sequence_parallel dimension" in m and "mesh_param" in m for m in messages), messages
+
+
 def test_keys_without_numeric_effect_are_accepted():
     cases = [("accepted", {}, ACCEPTED_ZERO_KEYS, {}, "")]
     [(kind, optimizer)] = run_ranks(_outcomes, 1, cases, timeout=300)[0]
