@@ -114,7 +114,7 @@ def test_types_that_are_accepted_as_written():
 def test_split_numel_zero_means_whole_tensors_in_the_config_and_the_cli():
     import deepspeed  # noqa: F401  (before ds_canzona.config)
     from ds_canzona.config import parse_canzona_section
-    from ds_canzona.plan.report import _split_count
+    from ds_canzona.plan_command import _split_count
 
     assert parse_canzona_section({"canzona": {"split_numel": 0}}).split_numel is None
     assert parse_canzona_section({"canzona": {"split_numel": None}}).split_numel is None
