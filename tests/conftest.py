@@ -6,6 +6,8 @@ import glob
 import os
 import time
 
+import pytest
+
 _SESSION_START = time.time()
 
 
@@ -23,3 +25,15 @@ def pytest_sessionfinish(session, exitstatus):
                 os.unlink(path)
         except OSError:
             pass
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread, as the spawned ranks run: plain-torch references then block their
+    products the same way, so their gradients are the ranks' own numbers."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -88,15 +88,6 @@ def _check_run(run: dict, results: list[dict], world_size: int) -> None:
     assert_params_equal(results[0]["params"], replay.params())
 
 
-@pytest.fixture
-def one_thread():
-    """The ranks run one torch thread; plain torch here must block its products the same way."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 LATE = {
     # A second engine.backward before engine.step: the first already reduced everything.
     "double_backward": {"model": ("tiny", {}), "double_backward": True, "bucket_numel": 4000, "stages": (1, 2)},

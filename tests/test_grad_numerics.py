@@ -77,15 +77,6 @@ def spawned():
     return get
 
 
-@pytest.fixture
-def one_thread():
-    """The ranks run one torch thread; plain torch here must block its products the same way."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _check_case(name: str, results: list[dict], world_size: int, *, wrong: dict | None = None) -> None:
     """Averaged gradients within the bound of plain torch's mean at every step, raw sums likewise,
     each ``wrong`` variant outside it, and parameters and fp32 masters bit-equal to the replay."""

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from distributed import run_ranks
+from test_configs import find_autos
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO / "ds_configs"
@@ -35,14 +36,6 @@ TINY_MODEL = REPO / "examples" / "configs" / "qwen3-tiny.json"
 
 class _Captured(Exception):
     """Raised by the deepspeed.initialize stand-in once it has the config."""
-
-
-def find_autos(node, prefix: str = "") -> list[str]:
-    if isinstance(node, dict):
-        return [hit for key, value in node.items() for hit in find_autos(value, f"{prefix}{key}.")]
-    if isinstance(node, list):
-        return [hit for i, value in enumerate(node) for hit in find_autos(value, f"{prefix}{i}.")]
-    return [prefix.rstrip(".")] if node == "auto" else []
 
 
 def _tiny_model():
