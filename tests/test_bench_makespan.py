@@ -79,6 +79,11 @@ def test_makespan_command_writes_json(tmp_path):
     assert main(argv[:8] + ["--json", str(again), "--timings", str(out)]) == 0
     reused = json.loads(again.read_text())
     assert reused["timings"] == data["timings"] and reused["rows"] == data["rows"]
+    # --split-numel 0 means whole tensors, as in the config and `ds-canzona plan`.
+    whole = tmp_path / "whole.json"
+    assert main(argv[:8] + ["--json", str(whole), "--timings", str(out), "--split-numel", "0"]) == 0
+    for row in json.loads(whole.read_text())["rows"]:
+        assert row["split_numel"] is None and row["ds_canzona"] == row["ds_canzona_whole"]
 
 
 def test_dispatcher_lists_the_benchmarks(capsys):

@@ -78,6 +78,14 @@ def scaled_config(name: str, scale: int) -> dict[str, Any]:
     return config
 
 
+def _piece_size(text: str) -> int:
+    """--split-numel: a non-negative element count (0: whole tensors)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"invalid piece size {text!r}: must be 0 (whole tensors) or positive")
+    return value
+
+
 def _rule(kind: str, ns_method: str):
     from ..optim import rule_for_group
 
@@ -130,7 +138,7 @@ class MakespanRow:
     bucket_numel: int
     ideal: float
     machine_balance: float
-    split_numel: int
+    split_numel: int | None  # None: whole tensors
     ds_canzona: float
     ds_canzona_whole: float
     ds_canzona_flops: float
@@ -167,8 +175,9 @@ def makespan_study(models: Sequence[str], *, scale: int, dps: Sequence[int], buc
     for model in models:
         config = scaled_config(model, scale)
         specs = qwen3_specs(config)
-        # The runtime's piece size, scaled with the model's elements like the bucket.
-        split = split_numel or max(1, DEFAULT_SPLIT_NUMEL // (scale * scale))
+        # The runtime's piece size, scaled with the model's elements like the bucket; 0 means
+        # whole tensors, as in the config and `ds-canzona plan`.
+        split = max(1, DEFAULT_SPLIT_NUMEL // (scale * scale)) if split_numel is None else (split_numel or None)
         shapes = list(dict.fromkeys((tuple(spec.shape), spec.matrix) for spec in specs))
         if log:
             log(f"{model} / {scale}: hidden {config['hidden_size']}, intermediate {config['intermediate_size']}, "
@@ -283,8 +292,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket-numel", type=lambda text: int(float(text)), default=None,
                         help="bucket in elements (default: DeepSpeed's 5e8 divided by scale^2)")
     parser.add_argument("--ns-method", choices=("gram", "standard"), default="gram")
-    parser.add_argument("--split-numel", type=int, default=None,
-                        help="piece size of non-matrix tensors (default: the runtime's, divided by scale^2)")
+    parser.add_argument("--split-numel", type=_piece_size, default=None,
+                        help="piece size of non-matrix tensors, 0 for whole tensors (default: the runtime's, "
+                             "divided by scale^2)")
     parser.add_argument("--machine-balance", type=float, default=None,
                         help="roofline balance, FLOPs per byte (default: the runtime's CPU default)")
     parser.add_argument("--repeats", type=int, default=5, help="timed updates per shape (median)")
@@ -321,7 +331,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"Optimizer-step makespan (Muon, {args.ns_method} Newton-Schulz, fp32; AdamW for non-matrices), busiest "
           f"rank in ms, per-tensor updates timed on {info['cpu']} (one thread, median of {args.repeats}); "
           f"ds_canzona and layer-wise plan with the roofline cost, machine balance {balance:g}; ds_canzona's "
-          f"non-matrix tensors in pieces of {rows[0].split_numel if rows else '-'} elements"
+          + ("non-matrix tensors whole" if rows and rows[0].split_numel is None else
+             f"non-matrix tensors in pieces of {rows[0].split_numel if rows else '-'} elements")
           + (f"; per-shape times reused from {args.timings}." if args.timings else "."))
     print()
     print(makespan_markdown(rows))
