@@ -3,27 +3,35 @@
 Every system takes two steps on DP=2 gloo ranks; the JSON must hold every field, the
 Newton-Schulz and byte counts must say what each scheme does, and the two schemes that run the
 same math on the same all-reduced gradients (synchronous and layer-wise) must agree exactly.
+The ZeRO-3 rows run in a test of their own: DeepSpeed's ZeRO-3 Muon reports time, bytes and
+memory, and ds_canzona's stage-3 row is either measured the same way or, while ds_canzona
+refuses stage 3, reported as "not available" with the refusal's text.
 """
 
 from __future__ import annotations
 
 import json
 
-from ds_canzona.bench.step import SYSTEMS, main
+from ds_canzona.bench.step import SYSTEMS, ModelShape, main, model_numel
 
 TINY = ["--hidden", "32", "--layers", "2", "--intermediate", "64", "--vocab", "128", "--heads", "2", "--kv-heads", "1",
         "--head-dim", "16", "--seq", "16", "--micro-batch", "1"]
 MATRICES = 2 * 7
+TINY_NUMEL = model_numel(ModelShape(hidden=32, layers=2, intermediate=64, vocab=128, heads=2, kv_heads=1, head_dim=16,
+                                    seq=16, micro_batch=1))
+ZERO3 = ("deepspeed-z3", "canzona-z3")
 
 
 def test_step_command_runs_every_system(tmp_path):
     out = tmp_path / "step.json"
-    argv = ["--dp", "2", "--warmup", "1", "--steps", "1", "--shampoo-steps", "1", "--json", str(out), *TINY]
+    systems = ",".join(key for key in SYSTEMS if key not in ZERO3)
+    argv = ["--dp", "2", "--warmup", "1", "--steps", "1", "--shampoo-steps", "1", "--systems", systems,
+            "--json", str(out), *TINY]
     assert main(argv) == 0
     data = json.loads(out.read_text())
     assert {"machine", "model", "settings", "results", "checks", "collectives"} <= set(data)
     results = {(r["system"], r["optimizer"]): r for r in data["results"]}
-    expected = {(key, opt) for key, system in SYSTEMS.items() for opt in system.optimizers}
+    expected = {(key, opt) for key, system in SYSTEMS.items() for opt in system.optimizers if key not in ZERO3}
     assert set(results) == expected
     for r in data["results"]:
         for name in ("iteration_s", "fwd_bwd_s", "step_s", "iteration_mean_s"):
@@ -50,3 +58,48 @@ def test_step_command_runs_every_system(tmp_path):
     for opt in ("muon", "shampoo"):
         assert results[("synchronous", opt)]["final_loss"] == results[("layerwise", opt)]["final_loss"]
         assert results[("canzona-z1", opt)]["final_loss"] == results[("canzona-z2", opt)]["final_loss"]
+
+
+def _check_memory(row: dict) -> None:
+    memory = row["memory"]
+    for name in ("parameters", "gradients", "optimizer", "total", "step_peak", "step_extra"):
+        assert len(memory[name]["per_rank"]) == 2
+        assert memory[name]["max"] >= memory[name]["avg"] > 0, name
+    # The walk found at least the optimizer state the engine-specific count sees, and the peak
+    # of a step (activations, gathered parameters, gradients) lies above what is held between steps.
+    state = row["matrix_state_bytes_max"] + row["adamw_state_bytes_max"] + row["fp32_master_bytes_max"]
+    assert memory["optimizer"]["max"] >= state > 0
+    assert memory["step_peak"]["max"] > memory["total"]["max"]
+
+
+def test_step_zero3_rows(tmp_path, capsys):
+    out = tmp_path / "step.json"
+    argv = ["--dp", "2", "--warmup", "1", "--steps", "1", "--systems", "deepspeed-z3,canzona-z3,canzona-z2",
+            "--optimizers", "muon", "--json", str(out), *TINY]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    results = {r["system"]: r for r in data["results"]}
+    refused = {u["system"]: u for u in data["unavailable"]}
+
+    deepspeed = results["deepspeed-z3"]
+    assert deepspeed["stage"] == 3 and deepspeed["iteration_s"] > 0.0
+    # reduce_scatter off: gradients all-reduced in full; parameters and Muon's inputs all-gathered.
+    assert deepspeed["comm_payload_bytes"]["all_reduce"] >= 4 * TINY_NUMEL
+    assert deepspeed["comm_payload_bytes"]["all_gather"] > 0
+    assert deepspeed["ns_runs_total"] == MATRICES  # round-robin: each matrix on one rank
+    _check_memory(deepspeed)
+    _check_memory(results["canzona-z2"])
+    # ZeRO-2 keeps every parameter on every rank, in its flat buckets: exactly the model in fp32.
+    assert results["canzona-z2"]["memory"]["parameters"]["max"] == 4 * TINY_NUMEL
+    assert "ZeRO-3, Muon, DP=2" in printed and "Memory per rank, Muon, DP=2" in printed
+
+    if "canzona-z3" in refused:  # ds_canzona refuses stage 3: the row says so, nothing crashes
+        assert "canzona-z3" not in results
+        error = refused["canzona-z3"]["error"]
+        assert "zero_optimization.stage 3" in error
+        assert f"| ds_canzona ZeRO-3 | not available: {error} |" in printed
+        assert f"DP=2 ds_canzona ZeRO-3: not available: {error}" in data["checks"]
+    else:  # the stage-3 runtime: measured like DeepSpeed's, each matrix orthogonalised once
+        assert results["canzona-z3"]["ns_runs_total"] == MATRICES
+        _check_memory(results["canzona-z3"])
