@@ -10,9 +10,9 @@ buffer once), sorted into four categories, first match wins:
 - ``parameters``: the storages of the module's parameters, their ZeRO-3 partitions
   (``ds_tensor``, ``ds_secondary_tensor``) and whatever flat buffer those are views of; under
   ZeRO-3 a parameter gathered for good (below DeepSpeed's persistence threshold) counts whole;
-- ``gradients``: the parameters' ``.grad`` and every tensor the optimizer reaches through an
-  attribute or key whose name says gradient (``grad``, ``ipg``: DeepSpeed's bucket buffers and
-  gradient partitions, ds_canzona's gradient buckets and segments);
+- ``gradients``: the parameters' ``.grad`` and every tensor whose shortest path from the
+  optimizer passes an attribute or key whose name says gradient (``grad``, ``ipg``: DeepSpeed's
+  bucket buffers and gradient partitions, ds_canzona's gradient buckets and segments);
 - ``optimizer``: everything else reachable from ``engine.optimizer``: optimizer state, fp32
   master copies, staging copies and communication caches it keeps between steps;
 - ``other``: everything else reachable from the engine (module buffers such as rotary tables).
@@ -162,7 +162,8 @@ def measure_step_memory(engine, run_step: Callable[[int], None]) -> dict[str, in
         raise RuntimeError(f"expected one profiler range {_MEASURED_RANGE!r}, found {len(ranges)}")
     start, end = ranges[0]
     changes = sorted((e.start_ns(), e.nbytes()) for e in events
-                     if e.name() == "[memory]" and str(e.device_type()).endswith("CPU") and start <= e.start_ns() <= end)
+                     if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")
+                     and start <= e.start_ns() <= end)
     running = extra = 0
     for _, change in changes:
         running += change

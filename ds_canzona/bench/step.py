@@ -23,11 +23,11 @@ Systems (Muon): ds_canzona ZeRO-1 and ZeRO-2; DeepSpeed 0.19.8's own Muon at ZeR
 with ``reduce_scatter`` on and off; the synchronous scheme and the layer-wise scheme
 (``baselines``); at ZeRO-3, DeepSpeed's own Muon (``reduce_scatter`` off, as it requires) and
 ds_canzona with the same config (reported "not available: <the error>" while ds_canzona refuses
-stage 3), whose tables ``step_zero3`` prints. Shampoo: ds_canzona ZeRO-1 and ZeRO-2 against the synchronous and layer-wise
-schemes. Every system runs the same Newton-Schulz method (Gram by default) in fp32: DeepSpeed's
-would pick fp16 on this CPU (oneDNN reports fp16 support) and is held at fp32, and its
-``torch.compile`` wrapper is switched off (``TORCHDYNAMO_DISABLE=1`` in the ranks; ``--compile``
-keeps it), so that only the distribution differs.
+stage 3), whose tables ``step_zero3`` prints. Shampoo: ds_canzona ZeRO-1 and ZeRO-2 against the
+synchronous and layer-wise schemes. Every system runs the same Newton-Schulz method (Gram by
+default) in fp32: DeepSpeed's would pick fp16 on this CPU (oneDNN reports fp16 support) and is
+held at fp32, and its ``torch.compile`` wrapper is switched off (``TORCHDYNAMO_DISABLE=1`` in the
+ranks; ``--compile`` keeps it), so that only the distribution differs.
 
 ``--json`` writes every number; ``--from-json a.json,b.json`` prints (and ``--plot`` draws) earlier
 runs together without running anything, e.g. one run per DP size.
@@ -196,6 +196,8 @@ def _state_bytes(engine, system: System) -> dict[str, int]:
     out = {"matrix": 0, "adamw": 0, "fp32_master": 0}
     optimizer = engine.optimizer
     if system.runtime == "canzona":
+        if not hasattr(optimizer, "owned_tensors"):  # a runtime without the per-tensor view: memory has the totals
+            return out
         param_storages = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
         for t in optimizer.owned_tensors():
             out["adamw" if t.group["kind"] == "adamw" else "matrix"] += _tensor_bytes(t.state.values())
@@ -720,7 +722,10 @@ def merge_payloads(payloads: Sequence[dict[str, Any]]) -> dict[str, Any]:
     merged = dict(payloads[0])
     merged["command"] = [p.get("command") for p in payloads]
     merged["results"] = [r for p in payloads for r in p["results"]]
-    merged["unavailable"] = [u for p in payloads for u in p.get("unavailable", [])]
+    # A cell refused in one run and measured in another (a later runtime) is the measured one.
+    measured = {(r["system"], r["optimizer"], r["dp"]) for r in merged["results"]}
+    merged["unavailable"] = [u for p in payloads for u in p.get("unavailable", [])
+                             if (u["system"], u["optimizer"], u["dp"]) not in measured]
     merged["collectives"] = {dp: c for p in payloads for dp, c in p.get("collectives", {}).items()}
     results = [CaseResult(**r) for r in merged["results"]]
     merged["checks"] = checks(results) + zero3_checks(results, merged["unavailable"])

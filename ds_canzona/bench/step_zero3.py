@@ -63,7 +63,7 @@ def _ratio(value: float, reference: Any, pick) -> str:
 
 def zero3_table(results: Sequence[Any], unavailable: Sequence[dict[str, Any]], dp: int,
                 labels: dict[str, str]) -> str:
-    """Time and bytes of the ZeRO-3 systems at one DP size, with ratios to DeepSpeed's ZeRO-3 and ds_canzona's ZeRO-2."""
+    """Time and bytes of the ZeRO-3 systems at one DP size, as ratios to DeepSpeed's ZeRO-3 and ds_canzona's ZeRO-2."""
     rows = [(key, _find(results, key, dp), _refusal(unavailable, key, dp)) for key in ZERO3_SYSTEMS]
     rows = [row for row in rows if row[1] is not None or row[2] is not None]
     if not rows:
