@@ -3,27 +3,35 @@
 Every system takes two steps on DP=2 gloo ranks; the JSON must hold every field, the
 Newton-Schulz and byte counts must say what each scheme does, and the two schemes that run the
 same math on the same all-reduced gradients (synchronous and layer-wise) must agree exactly.
+The ZeRO-3 rows run in a test of their own: DeepSpeed's ZeRO-3 Muon reports time, bytes and
+memory, and ds_canzona's stage-3 row is either measured the same way or, while ds_canzona
+refuses stage 3, reported as "not available" with the refusal's text.
 """
 
 from __future__ import annotations
 
 import json
 
-from ds_canzona.bench.step import SYSTEMS, main
+from ds_canzona.bench.step import SYSTEMS, ModelShape, main, model_numel
 
 TINY = ["--hidden", "32", "--layers", "2", "--intermediate", "64", "--vocab", "128", "--heads", "2", "--kv-heads", "1",
         "--head-dim", "16", "--seq", "16", "--micro-batch", "1"]
 MATRICES = 2 * 7
+TINY_NUMEL = model_numel(ModelShape(hidden=32, layers=2, intermediate=64, vocab=128, heads=2, kv_heads=1, head_dim=16,
+                                    seq=16, micro_batch=1))
+ZERO3 = ("deepspeed-z3", "canzona-z3")
 
 
 def test_step_command_runs_every_system(tmp_path):
     out = tmp_path / "step.json"
-    argv = ["--dp", "2", "--warmup", "1", "--steps", "1", "--shampoo-steps", "1", "--json", str(out), *TINY]
+    systems = ",".join(key for key in SYSTEMS if key not in ZERO3)
+    argv = ["--dp", "2", "--warmup", "1", "--steps", "1", "--shampoo-steps", "1", "--systems", systems,
+            "--json", str(out), *TINY]
     assert main(argv) == 0
     data = json.loads(out.read_text())
     assert {"machine", "model", "settings", "results", "checks", "collectives"} <= set(data)
     results = {(r["system"], r["optimizer"]): r for r in data["results"]}
-    expected = {(key, opt) for key, system in SYSTEMS.items() for opt in system.optimizers}
+    expected = {(key, opt) for key, system in SYSTEMS.items() for opt in system.optimizers if key not in ZERO3}
     assert set(results) == expected
     for r in data["results"]:
         for name in ("iteration_s", "fwd_bwd_s", "step_s", "iteration_mean_s"):
@@ -31,8 +39,9 @@ def test_step_command_runs_every_system(tmp_path):
         assert r["dp"] == 2 and r["steps"] == 1
         assert sum(r["comm_payload_bytes"].values()) > 0
         assert r["matrix_state_bytes_max"] > 0
+        assert r["memory"]["step_peak"]["max"] > r["memory"]["total"]["max"] > 0
 
-    muon = {key: results[(key, "muon")] for key in SYSTEMS}
+    muon = {key: results[(key, "muon")] for key in SYSTEMS if key not in ZERO3}
     # ds_canzona orthogonalises each matrix once, on its owner; synchronous on every rank.
     assert muon["canzona-z1"]["ns_runs_total"] == MATRICES
     assert muon["canzona-z2"]["ns_runs_total"] == MATRICES
@@ -50,3 +59,97 @@ def test_step_command_runs_every_system(tmp_path):
     for opt in ("muon", "shampoo"):
         assert results[("synchronous", opt)]["final_loss"] == results[("layerwise", opt)]["final_loss"]
         assert results[("canzona-z1", opt)]["final_loss"] == results[("canzona-z2", opt)]["final_loss"]
+
+
+def _check_memory(row: dict, *, state_counted: bool = True) -> None:
+    memory = row["memory"]
+    for name in ("parameters", "gradients", "optimizer", "total", "step_peak", "step_extra"):
+        assert len(memory[name]["per_rank"]) == 2
+        assert memory[name]["max"] >= memory[name]["avg"] > 0, name
+    # The peak of a step (activations, gathered parameters, gradients) lies above what is held
+    # between steps, and the walk found at least the optimizer state the engine-specific count sees.
+    assert memory["step_peak"]["max"] > memory["total"]["max"]
+    if state_counted:
+        state = row["matrix_state_bytes_max"] + row["adamw_state_bytes_max"] + row["fp32_master_bytes_max"]
+        assert memory["optimizer"]["max"] >= state > 0
+
+
+def test_step_zero3_rows(tmp_path, capsys):
+    out = tmp_path / "step.json"
+    argv = ["--dp", "2", "--warmup", "1", "--steps", "1", "--systems", "deepspeed-z3,canzona-z3,canzona-z2",
+            "--optimizers", "muon", "--json", str(out), *TINY]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    results = {r["system"]: r for r in data["results"]}
+    refused = {u["system"]: u for u in data["unavailable"]}
+
+    deepspeed = results["deepspeed-z3"]
+    assert deepspeed["stage"] == 3 and deepspeed["iteration_s"] > 0.0
+    # reduce_scatter off: gradients all-reduced in full; parameters and Muon's inputs all-gathered.
+    assert deepspeed["comm_payload_bytes"]["all_reduce"] >= 4 * TINY_NUMEL
+    assert deepspeed["comm_payload_bytes"]["all_gather"] > 0
+    assert deepspeed["ns_runs_total"] == MATRICES  # round-robin: each matrix on one rank
+    _check_memory(deepspeed)
+    _check_memory(results["canzona-z2"])
+    # ZeRO-2 keeps every parameter on every rank, in its flat buckets: exactly the model in fp32.
+    assert results["canzona-z2"]["memory"]["parameters"]["max"] == 4 * TINY_NUMEL
+    assert "ZeRO-3, Muon, DP=2" in printed and "Memory per rank, Muon, DP=2" in printed
+
+    if "canzona-z3" in refused:  # ds_canzona refuses stage 3: the row says so, nothing crashes
+        assert "canzona-z3" not in results
+        error = refused["canzona-z3"]["error"]
+        assert "zero_optimization.stage 3" in error
+        assert f"| ds_canzona ZeRO-3 | not available: {error} |" in printed
+        assert f"DP=2 ds_canzona ZeRO-3: not available: {error}" in data["checks"]
+    else:  # the stage-3 runtime: measured like DeepSpeed's, each matrix orthogonalised once
+        assert results["canzona-z3"]["ns_runs_total"] == MATRICES
+        _check_memory(results["canzona-z3"], state_counted=False)
+
+
+class _Holder:
+    """An optimizer-like object: tensors under gradient and non-gradient names, one only in a closure."""
+
+    def __init__(self, model, grad_bucket, momentum, cache):
+        self.ipg_buffer = grad_bucket
+        self.state = {model.weight: {"momentum_buffer": momentum}}
+        self.params = list(model.parameters())  # already counted as parameters
+        self.fetch = lambda: cache  # reachable only through a closure
+
+
+def test_held_bytes_counts_each_storage_once_by_category():
+    import types
+
+    import torch
+    from ds_canzona.bench._memory import held_bytes
+
+    model = torch.nn.Linear(8, 4, bias=False)  # 128 bytes
+    model.weight.grad = torch.zeros(4, 8)  # 128
+    flat = torch.zeros(100)  # 400: two views of it count once
+    grad_bucket, cache = [flat[:10], flat[50:]], torch.zeros(30)  # 120 in a closure
+    optimizer = _Holder(model, grad_bucket, torch.zeros(16), cache)  # momentum 64
+    model.register_buffer("table", torch.zeros(5))  # 20, the engine's via the module
+    engine = types.SimpleNamespace(module=model, optimizer=optimizer)
+    assert held_bytes(engine) == {"parameters": 128, "gradients": 128 + 400, "optimizer": 64 + 120, "other": 20,
+                                  "total": 128 + 528 + 184 + 20}
+
+
+def test_step_memory_peak_sees_a_step_temporary():
+    import types
+
+    import torch
+    from ds_canzona.bench._memory import measure_step_memory
+
+    model = torch.nn.Linear(8, 4, bias=False)
+    engine = types.SimpleNamespace(module=model, optimizer=types.SimpleNamespace())
+    kept = []
+
+    def run_step(k: int) -> None:
+        temporary = torch.ones(1_000_000)  # 4 MB, freed at return
+        kept.append(torch.ones(1000) * float(temporary[0]))  # 4 KB that outlive the step (not the engine's)
+
+    memory = measure_step_memory(engine, run_step)
+    assert memory["total"] == memory["held_after"] == 128
+    assert memory["step_net"] == 4000
+    assert 4_000_000 <= memory["step_extra"] < 4_000_000 + 10_000
+    assert memory["step_peak"] == 128 + memory["step_extra"]

@@ -15,15 +15,19 @@ Each number is the median over the timed steps (after warm-up) of the slowest ra
 (for Shampoo, whose refresh steps are far slower, the mean over a preconditioner period); ranks
 start every step together (a barrier outside the timed region). Bytes are counted the same
 way for every system by wrapping ``deepspeed.comm``'s collectives (see ``_instrument``), and so
-are Newton-Schulz runs (DeepSpeed's ``muon_update``, ds_canzona's ``orthogonalize``).
+are Newton-Schulz runs (DeepSpeed's ``muon_update``, ds_canzona's ``orthogonalize``). After the
+timed steps every system takes two more, profiled, for memory per rank (``_memory``): what the
+engine holds between steps by category, and the peak of a step.
 
 Systems (Muon): ds_canzona ZeRO-1 and ZeRO-2; DeepSpeed 0.19.8's own Muon at ZeRO-1 and ZeRO-2,
 with ``reduce_scatter`` on and off; the synchronous scheme and the layer-wise scheme
-(``baselines``). Shampoo: ds_canzona ZeRO-1 and ZeRO-2 against the synchronous and layer-wise
-schemes. Every system runs the same Newton-Schulz method (Gram by default) in fp32: DeepSpeed's
-would pick fp16 on this CPU (oneDNN reports fp16 support) and is held at fp32, and its
-``torch.compile`` wrapper is switched off (``TORCHDYNAMO_DISABLE=1`` in the ranks; ``--compile``
-keeps it), so that only the distribution differs.
+(``baselines``); at ZeRO-3, DeepSpeed's own Muon (``reduce_scatter`` off, as it requires) and
+ds_canzona with the same config (reported "not available: <the error>" while ds_canzona refuses
+stage 3), whose tables ``step_zero3`` prints. Shampoo: ds_canzona ZeRO-1 and ZeRO-2 against the
+synchronous and layer-wise schemes. Every system runs the same Newton-Schulz method (Gram by
+default) in fp32: DeepSpeed's would pick fp16 on this CPU (oneDNN reports fp16 support) and is
+held at fp32, and its ``torch.compile`` wrapper is switched off (``TORCHDYNAMO_DISABLE=1`` in the
+ranks; ``--compile`` keeps it), so that only the distribution differs.
 
 ``--json`` writes every number; ``--from-json a.json,b.json`` prints (and ``--plot`` draws) earlier
 runs together without running anything, e.g. one run per DP size.
@@ -44,6 +48,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..cli import Command, OneLineParser
+from .step_zero3 import memory_summary, memory_table, zero3_checks, zero3_table
 
 __all__ = ["STEP", "ModelShape", "System", "SYSTEMS", "main", "run_step_bench"]
 
@@ -93,6 +98,9 @@ SYSTEMS: dict[str, System] = {s.key: s for s in (
     System(key="deepspeed-z2", label="DeepSpeed Muon ZeRO-2", runtime="deepspeed", stage=2),
     System(key="deepspeed-z2-ar", label="DeepSpeed Muon ZeRO-2, reduce_scatter off", runtime="deepspeed", stage=2,
            reduce_scatter=False),
+    System(key="deepspeed-z3", label="DeepSpeed Muon ZeRO-3 (reduce_scatter off)", runtime="deepspeed", stage=3,
+           reduce_scatter=False),
+    System(key="canzona-z3", label="ds_canzona ZeRO-3", runtime="canzona", stage=3, reduce_scatter=False),
     System(key="synchronous", label="synchronous (every rank, every matrix)", runtime="synchronous", stage=0,
            optimizers=("muon", "shampoo")),
     System(key="layerwise", label="layer-wise (all-reduce, LPT owners, broadcast)", runtime="layerwise", stage=0,
@@ -109,6 +117,15 @@ SHAMPOO_PARAMS = {"lr": 1e-3, "adam_lr": 3e-4, "precondition_frequency": 5, "sta
 # --------------------------------------------------------------------------------------------
 # Rank side
 # --------------------------------------------------------------------------------------------
+
+
+def model_numel(shape: ModelShape) -> int:
+    """Parameters of the benchmark model (built on the meta device: no memory, no time)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in Qwen3ForCausalLM(Qwen3Config(**shape.qwen3_config())).parameters())
 
 
 def _build_model(shape: ModelShape, seed: int = 0):
@@ -139,8 +156,14 @@ def _engine_config(system: System, optimizer: str, settings: dict[str, Any], wor
         config["optimizer"] = {"type": "Muon" if optimizer == "muon" else "Shampoo", "params": params}
     if system.runtime == "canzona":
         config["canzona"] = {"log_plan": False, "kernels": "torch"}
-    if system.runtime == "deepspeed":
+    if system.runtime == "deepspeed" or system.stage == 3:
+        # DeepSpeed's ZeRO-3 Muon refuses reduce_scatter; ds_canzona's ZeRO-3 row takes the same config.
         config["zero_optimization"]["reduce_scatter"] = system.reduce_scatter
+    if system.stage == 3:
+        # DeepSpeed keeps tensors under 1e5 elements gathered on every rank, which on this small
+        # model is every attention matrix; 10 x hidden (the HuggingFace integration's "auto")
+        # keeps only the norms, as 1e5 does on a model of real size.
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 10 * shape.hidden
     return config
 
 
@@ -173,10 +196,21 @@ def _state_bytes(engine, system: System) -> dict[str, int]:
     out = {"matrix": 0, "adamw": 0, "fp32_master": 0}
     optimizer = engine.optimizer
     if system.runtime == "canzona":
+        if not hasattr(optimizer, "owned_tensors"):  # a runtime without the per-tensor view: memory has the totals
+            return out
+        param_storages = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
         for t in optimizer.owned_tensors():
             out["adamw" if t.group["kind"] == "adamw" else "matrix"] += _tensor_bytes(t.state.values())
-            if t.master is not optimizer.param_views[t.index]:
+            if t.master.untyped_storage().data_ptr() not in param_storages:  # fp32 models update in place
                 out["fp32_master"] += _tensor_bytes([t.master])
+        return out
+    if system.runtime == "deepspeed" and system.stage == 3:
+        # ZeRO-3 hands the base optimizer one fp32 flat partition per sub-group only inside step().
+        base = optimizer.optimizer
+        for i, flat in enumerate(optimizer.fp32_partitioned_groups_flat):
+            key = "matrix" if optimizer.sub_groups_using_muon[i] else "adamw"
+            out[key] += _tensor_bytes(base.state.get(flat, {}).values())
+            out["fp32_master"] += _tensor_bytes([flat])
         return out
     if system.runtime == "deepspeed":
         base = optimizer.optimizer
@@ -210,16 +244,24 @@ class _Case:
     records: list = field(default_factory=list)
     losses: list = field(default_factory=list)
     build_seconds: float = 0.0
+    memory: dict[str, int] | None = None
+    unavailable: str | None = None  # why deepspeed.initialize refused this system's config
 
 
 def _build_case(case: _Case, settings: dict[str, Any], world_size: int) -> None:
+    """Build the case's engine; a config ds_canzona refuses (say stage 3 before its runtime exists)
+    leaves the case unavailable with the error's text instead of failing the benchmark."""
     import deepspeed
+    from ds_canzona.config import CanzonaConfigError
 
     model = _build_model(settings["shape"])
     config = _engine_config(case.system, case.optimizer, settings, world_size)
     client = _client_optimizer(case.system, case.optimizer, model, settings)
     started = time.perf_counter()
-    case.engine, *_ = deepspeed.initialize(model=model, optimizer=client, config=config)
+    try:
+        case.engine, *_ = deepspeed.initialize(model=model, optimizer=client, config=config)
+    except CanzonaConfigError as error:
+        case.unavailable = str(error)
     case.build_seconds = time.perf_counter() - started
 
 
@@ -250,23 +292,33 @@ def _run_cases(cases: list[_Case], settings: dict[str, Any], rank: int, world_si
     Step s of every system runs between step s-1 and step s+1 of every other one; the order rotates
     from one step to the next, so no system always follows the same neighbour.
     """
+    from ._memory import measure_step_memory
+
     shape: ModelShape = settings["shape"]
+    warmup, steps = settings["warmup"], settings["steps"][cases[0].optimizer]
     for case in cases:
         _build_case(case, settings, world_size)
-    warmup, steps = settings["warmup"], settings["steps"][cases[0].optimizer]
+    unavailable = [case for case in cases if case.unavailable is not None]
+    cases = [case for case in cases if case.unavailable is None]
     for step in range(warmup + steps):
         tokens = _batch(shape, step, rank)
-        shift = step % len(cases)
+        shift = step % max(1, len(cases))
         for case in cases[shift:] + cases[:shift]:
             _train_step(case, tokens, meter, ns, timed=step >= warmup)
+    # Memory: two more (untimed, profiled) steps per system, one system after the other.
+    for case in cases:
+        case.memory = measure_step_memory(case.engine, lambda k, case=case: _train_step(
+            case, _batch(shape, warmup + steps + k, rank), meter, ns, timed=False))
     out = []
     for case in cases:
         out.append({"system": case.system.key, "optimizer": case.optimizer, "rank": rank, "records": case.records,
-                    "state": _state_bytes(case.engine, case.system), "losses": case.losses,
+                    "state": _state_bytes(case.engine, case.system), "memory": case.memory, "losses": case.losses,
                     "build_seconds": case.build_seconds, "max_rss_mb": _max_rss_mb()})
         if hasattr(case.engine, "destroy"):
             case.engine.destroy()
         case.engine = None
+    out.extend({"system": case.system.key, "optimizer": case.optimizer, "rank": rank,
+                "unavailable": case.unavailable} for case in unavailable)
     gc.collect()
     return out
 
@@ -370,12 +422,19 @@ class CaseResult:
     fwd_bwd_mean_s: float | None = None
     step_mean_s: float | None = None
     samples_iteration_s: list[float] = field(default_factory=list)
+    # Per category of step_zero3.memory_summary: {"max": bytes, "avg": bytes, "per_rank": [...]}.
+    memory: dict[str, dict[str, Any]] | None = None
 
 
-def _aggregate(dp: int, per_rank: list[dict[str, Any]]) -> list[CaseResult]:
+def _aggregate(dp: int, per_rank: list[dict[str, Any]]) -> tuple[list[CaseResult], list[dict[str, Any]]]:
+    """The measured cells, and the cells whose engine was refused ({system, optimizer, dp, error})."""
     cases: dict[tuple[str, str], list[list[dict[str, Any]]]] = {}
+    unavailable: dict[tuple[str, str], str] = {}
     for rank_results in per_rank:
         for item in rank_results["cases"]:
+            if "unavailable" in item:
+                unavailable.setdefault((item["system"], item["optimizer"]), item["unavailable"])
+                continue
             cases.setdefault((item["system"], item["optimizer"]), [[] for _ in range(dp)])[item["rank"]].append(item)
     out = []
     for (key, optimizer), ranks in cases.items():
@@ -414,13 +473,16 @@ def _aggregate(dp: int, per_rank: list[dict[str, Any]]) -> list[CaseResult]:
             max_rss_mb=max(ranks[r][-1]["max_rss_mb"] for r in range(dp)),
             per_rank_iteration_s=[statistics.median(rec["iteration"] for item in ranks[r] for rec in item["records"])
                                   for r in range(dp)],
+            memory=memory_summary([ranks[r][-1]["memory"] for r in range(dp)]),
         ))
-    return out
+    refused = [{"system": key, "label": SYSTEMS[key].label, "optimizer": optimizer, "dp": dp, "error": error}
+               for (key, optimizer), error in unavailable.items()]
+    return out, refused
 
 
 def _reference(result: CaseResult, results: Sequence[CaseResult]) -> CaseResult | None:
     """The ds_canzona row a row is compared with: same stage, or ZeRO-1 for the ZeRO-0 schemes."""
-    stage = result.stage if result.stage in (1, 2) else 1
+    stage = result.stage if result.stage in (1, 2, 3) else 1
     for other in results:
         if other.system == f"canzona-z{stage}" and other.optimizer == result.optimizer and other.dp == result.dp:
             return other
@@ -449,7 +511,8 @@ def step_table(results: Sequence[CaseResult], optimizer: str, dp: int, *, amorti
         fwd_bwd = r.fwd_bwd_mean_s if amortised and r.fwd_bwd_mean_s is not None else r.fwd_bwd_s
         step = r.step_mean_s if amortised and r.step_mean_s is not None else r.step_s
         ref_iteration = (ref.iteration_mean_s if amortised else ref.iteration_s) if ref else None
-        ratio = f"{iteration / ref_iteration:.2f}x (vs Z{ref.stage})" if ref and ref is not r else "1.00x"
+        ratio = (f"{iteration / ref_iteration:.2f}x (vs Z{ref.stage})" if ref and ref is not r
+                 else "1.00x" if ref else "-")
         state_ratio = (f"{r.matrix_state_bytes_max / ref.matrix_state_bytes_max:.2f}x"
                        if ref and ref.matrix_state_bytes_max else "")
         ns = f"{r.ns_runs_total} / {r.ns_runs_max_rank}" if optimizer == "muon" else "-"
@@ -541,7 +604,9 @@ def _deepspeed_emulated_runs(shape: ModelShape, dp: int) -> int:
 
 def run_step_bench(*, dps: Sequence[int], systems: Sequence[str], optimizers: Sequence[str], shape: ModelShape,
                    warmup: int, steps: int, shampoo_steps: int, rounds: int, ns_method: str, compile: bool,
-                   bucket_numel: int, timeout: float, log=print) -> tuple[list[CaseResult], dict[int, Any]]:
+                   bucket_numel: int, timeout: float,
+                   log=print) -> tuple[list[CaseResult], list[dict[str, Any]], dict[int, Any]]:
+    """Every (system, optimizer) at every DP size: the measured cells, the refused ones, the collectives alone."""
     from ._ranks import run_ranks
 
     cases = [(key, opt) for opt in optimizers for key in systems if opt in SYSTEMS[key].optimizers]
@@ -552,17 +617,20 @@ def run_step_bench(*, dps: Sequence[int], systems: Sequence[str], optimizers: Se
     if not compile:
         env["TORCHDYNAMO_DISABLE"] = "1"
     results: list[CaseResult] = []
+    unavailable: list[dict[str, Any]] = []
     collectives: dict[int, Any] = {}
     for dp in dps:
         started = time.perf_counter()
         load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         per_rank = run_ranks(_rank_main, dp, settings, timeout=timeout, env=env)
-        results.extend(_aggregate(dp, per_rank))
+        measured, refused = _aggregate(dp, per_rank)
+        results.extend(measured)
+        unavailable.extend(refused)
         collectives[dp] = {**per_rank[0]["collectives"], "load_average_before": load_before,
                            "load_average_after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
                            "wall_seconds": time.perf_counter() - started}
         log(f"DP={dp}: {len(cases)} cases in {time.perf_counter() - started:.0f} s", file=sys.stderr)
-    return results, collectives
+    return results, unavailable, collectives
 
 
 # --------------------------------------------------------------------------------------------
@@ -582,8 +650,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=1, help="repeat the whole sequence of systems this many times")
     parser.add_argument("--ns-method", choices=("gram", "standard"), default="gram")
     parser.add_argument("--compile", action="store_true", help="leave DeepSpeed's torch.compile of muon_update on")
-    parser.add_argument("--bucket-numel", type=lambda text: int(float(text)), default=500_000_000,
-                        help="reduce/all-gather bucket in elements (DeepSpeed's default 5e8: one bucket here)")
+    parser.add_argument("--bucket-numel", type=lambda text: int(float(text)), default=None,
+                        help="reduce/all-gather bucket in elements (default: the model's parameter count, one "
+                        "bucket, as DeepSpeed's default 5e8 gives, without DeepSpeed allocating 5e8-element "
+                        "bucket buffers)")
     for name in ("hidden", "layers", "intermediate", "vocab", "heads", "kv_heads", "head_dim", "seq", "micro_batch"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(shape, name))
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per DP size before the ranks are killed")
@@ -626,8 +696,12 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     if args.steps < 1 or args.shampoo_steps < 1 or args.warmup < 0 or args.rounds < 1:
         raise ValueError("--steps, --shampoo-steps and --rounds must be >= 1 and --warmup >= 0")
     shape = ModelShape(**{name: getattr(args, name) for name in ModelShape.__dataclass_fields__})
+    if args.bucket_numel is None:
+        args.bucket_numel = model_numel(shape)
+    if args.bucket_numel < 1:
+        raise ValueError(f"--bucket-numel must be >= 1, got {args.bucket_numel}")
     started = time.perf_counter()
-    results, collectives = run_step_bench(dps=dps, systems=systems, optimizers=optimizers, shape=shape,
+    results, unavailable, collectives = run_step_bench(dps=dps, systems=systems, optimizers=optimizers, shape=shape,
                                           warmup=args.warmup, steps=args.steps, shampoo_steps=args.shampoo_steps,
                                           rounds=args.rounds, ns_method=args.ns_method, compile=args.compile,
                                           bucket_numel=args.bucket_numel, timeout=args.timeout)
@@ -637,7 +711,8 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
             "settings": {"warmup": args.warmup, "steps": args.steps, "shampoo_steps": args.shampoo_steps,
                          "rounds": args.rounds, "ns_method": args.ns_method, "compile": args.compile,
                          "bucket_numel": args.bucket_numel, "muon": MUON_PARAMS, "shampoo": SHAMPOO_PARAMS},
-            "results": [asdict(r) for r in results], "checks": checks(results),
+            "results": [asdict(r) for r in results], "unavailable": unavailable,
+            "checks": checks(results) + zero3_checks(results, unavailable),
             "collectives": {str(dp): c for dp, c in collectives.items()},
             "wall_seconds": time.perf_counter() - started}
 
@@ -647,8 +722,13 @@ def merge_payloads(payloads: Sequence[dict[str, Any]]) -> dict[str, Any]:
     merged = dict(payloads[0])
     merged["command"] = [p.get("command") for p in payloads]
     merged["results"] = [r for p in payloads for r in p["results"]]
+    # A cell refused in one run and measured in another (a later runtime) is the measured one.
+    measured = {(r["system"], r["optimizer"], r["dp"]) for r in merged["results"]}
+    merged["unavailable"] = [u for p in payloads for u in p.get("unavailable", [])
+                             if (u["system"], u["optimizer"], u["dp"]) not in measured]
     merged["collectives"] = {dp: c for p in payloads for dp, c in p.get("collectives", {}).items()}
-    merged["checks"] = checks([CaseResult(**r) for r in merged["results"]])
+    results = [CaseResult(**r) for r in merged["results"]]
+    merged["checks"] = checks(results) + zero3_checks(results, merged["unavailable"])
     return merged
 
 
@@ -688,8 +768,22 @@ def report(payload: dict[str, Any]) -> None:
         if table:
             print(f"\nCollectives per step, Muon, DP={dp} (calls, payload MB):\n")
             print(table)
+    unavailable = payload.get("unavailable", [])
+    labels = {key: system.label for key, system in SYSTEMS.items()}
+    for dp in sorted({*dps, *(u["dp"] for u in unavailable)}):
+        table = zero3_table(results, unavailable, dp, labels)
+        if table:
+            print(f"\nZeRO-3, Muon, DP={dp}: time and payload MB per step, by collective:\n")
+            print(table)
+    for optimizer in optimizers:
+        for dp in dps:
+            table = memory_table(results, dp, list(SYSTEMS), optimizer)
+            if table:
+                print(f"\nMemory per rank, {optimizer.capitalize()}, DP={dp} (MB, max / average over ranks; "
+                      "held between steps, and the peak of a step):\n")
+                print(table)
     print()
-    for line in checks(results):
+    for line in checks(results) + zero3_checks(results, unavailable):
         print(line)
 
 
