@@ -278,8 +278,14 @@ def build_canzona_optimizer(engine, client_optimizer, model_parameters=None):
         kernels.set_backend(config.kernels)
 
     bucket_numel = config.bucket_numel or int(engine.zero_reduce_bucket_size())
-    zero = CanzonaZeroOptimizer(
+    runtime, tensor_parallel = CanzonaZeroOptimizer, {}
+    if (engine.autotp_size() or 0) > 1:  # AutoTP: the micro-group pipeline (ds_canzona/zero/tp.py)
+        from deepspeed.utils import groups
+        from ds_canzona.zero.tp import CanzonaTPZeroOptimizer
+        runtime, tensor_parallel = CanzonaTPZeroOptimizer, {"tp_process_group": groups.get_tensor_model_parallel_group()}
+    zero = runtime(
         basic,
+        **tensor_parallel,
         param_names=engine.param_names,
         config=config,
         stage=engine.zero_optimization_stage(),

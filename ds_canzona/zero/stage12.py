@@ -164,6 +164,8 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
         self.stage = stage
         self.partition_gradients = stage == 2
         self.dp_process_group = dp_process_group
+        # The clipping norm's all-reduce; the tensor-parallel runtime widens it to DP x TP.
+        self.norm_group = dp_process_group
         self.clip_grad = float(clip_grad or 0.0)
         self.world_size = dist.get_world_size(group=dp_process_group)
         self.rank = dist.get_rank(group=dp_process_group)
@@ -358,16 +360,16 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
         return self._item_slice(self.param_views[self.plan.pieces[item][0]], item)
 
     def _build_owned_state(self) -> list[OwnedTensor]:
-        owned = []
-        for j in self.plan.owned_params(self.rank):
-            tensor = self.plan.pieces[j][0]
-            view = self.item_view(j)
-            # fp32 models update the buffer in place; lower precision keeps an fp32 master.
-            master = view if view.dtype == torch.float32 else view.detach().float().clone()
-            group = self.groups[tensor]
-            owned.append(OwnedTensor(index=j, name=self.plan.specs[j].name, master=master,
-                                     state=rule_for_group(group).init_state(master), group=group, tensor=tensor))
-        return owned
+        return [self._own_item(j) for j in self.plan.owned_params(self.rank)]
+
+    def _own_item(self, j: int) -> OwnedTensor:
+        tensor = self.plan.pieces[j][0]
+        view = self.item_view(j)
+        # fp32 models update the buffer in place; lower precision keeps an fp32 master.
+        master = view if view.dtype == torch.float32 else view.detach().float().clone()
+        group = self.groups[tensor]
+        return OwnedTensor(index=j, name=self.plan.specs[j].name, master=master,
+                           state=rule_for_group(group).init_state(master), group=group, tensor=tensor)
 
     def _segment_grad(self, j: int) -> torch.Tensor:
         """The reduced gradient of owned item j inside this rank's segment buffer (shaped like its master)."""
@@ -524,15 +526,17 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
     @torch.no_grad()
     def step(self, closure=None):
         self._finish_reduction()
-        grads = [self._averaged_grad(t.index) for t in self._owned]
+        items = self._step_items()
+        grads = [self._averaged_grad(j) for j in items]
 
         # One collective for both the overflow check and clipping: every entry is non-zero on
         # its owner only, so the all-reduced vector is exact, and its sum in buffer order is
         # the same number on every rank and at every world size.
         sq_norms = torch.zeros(len(self.plan.specs), dtype=torch.float64, device=self.device)
-        for t, g in zip(self._owned, grads):
-            sq_norms[t.index] = tensor_sq_norm(g)
-        all_reduce_sum(sq_norms, group=self.dp_process_group, counter=self.comm, kind="all_reduce")
+        for j, g in zip(items, grads):
+            if self._counts_in_norm(j):
+                sq_norms[j] = tensor_sq_norm(g)
+        all_reduce_sum(sq_norms, group=self.norm_group, counter=self.comm, kind="all_reduce")
         self.overflow = not bool(torch.isfinite(sq_norms).all())
         self.loss_scaler.update_scale(self.overflow)
         if self.overflow:
@@ -554,10 +558,18 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
         self.zero_grad()
         return None
 
+    def _step_items(self) -> list[int]:
+        """The plan items whose reduced gradient this rank reads in the step: what it owns."""
+        return [t.index for t in self._owned]
+
+    def _counts_in_norm(self, item: int) -> bool:
+        """Whether this rank adds the item's squared norm (the tensor-parallel runtime counts replicas once)."""
+        return True
+
     def _update_owned(self, grads: list[torch.Tensor]) -> None:
-        """Run each group's per-tensor rule on the owned tensors of that group."""
+        """Run each group's per-tensor rule on the owned tensors of that group (``grads`` as ``_step_items``)."""
         for group in self.optimizer.param_groups:
-            members = [(t, g) for t, g in zip(self._owned, grads) if t.group is group]
+            members = [(t, g) for t, g in zip(self._owned, grads[:len(self._owned)]) if t.group is group]
             if not members:
                 continue
             # Every gradient is known finite here: the norm all-reduce already caught any overflow.
