@@ -29,6 +29,18 @@ def make_qwen3(seed: int = 0):
     return model
 
 
+def make_phi3(seed: int = 0):
+    """A Phi3: fused qkv_proj and gate_up_proj, which AutoTP shards per sub-parameter (SubParam* layers)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(seed)
+    settings = {key: value for key, value in QWEN3_TP.items() if key != "head_dim"}
+    settings["num_key_value_heads"] = settings["num_attention_heads"]  # the preset cuts qkv in equal thirds
+    model = Phi3ForCausalLM(Phi3Config(**settings, pad_token_id=0))
+    model.train()
+    return model
+
+
 def tokens(step: int, micro: int, dp_rank: int) -> torch.Tensor:
     """The micro-batch of data-parallel rank ``dp_rank`` (every TP rank of it sees the same)."""
     g = torch.Generator().manual_seed(1000 * step + 10 * micro + dp_rank)
@@ -117,31 +129,46 @@ def _fed_run(config: dict, steps: int, tp: int) -> dict:
 
 def _train_run(config: dict, steps: int, dp_rank: int, *, meter=None) -> dict:
     engine = _initialize(config, make_qwen3())
+    zero = engine.optimizer
     ga = engine.gradient_accumulation_steps()
     calls = []
+    if meter is not None:  # counted: the boundary reduction (ZeRO-1, after backward) and engine.step
+        zero.reduce_gradients = _metered(zero.reduce_gradients, meter)
+        zero.step = _metered(zero.step, meter)
     for step in range(steps):
         if meter is not None:
             meter.reset()
         for micro in range(ga):
             loss = lm_loss(engine, tokens(step, micro, dp_rank))
             engine.backward(loss)
-            if meter is not None and micro == ga - 1:
-                meter.active = True
             engine.step()
         if meter is not None:
-            meter.active = False
             calls.append(dict(meter.calls))
     result = {"params": _local_params(engine), "splits": _splits(engine), "calls": calls}
-    zero = engine.optimizer
     if hasattr(zero, "exchange"):
         result["micro_groups"] = len(zero.exchange.groups)
         result["plan_summary"] = zero.plan_summary()
+        result["buckets"] = len(zero.plan.buckets)
+        result["segments"] = sum(cuts[r + 1] > cuts[r] for cuts in zero.layout.bucket_cuts
+                                 for r in range(len(cuts) - 1))
     return result
+
+
+def _metered(method, meter):
+    def counted(*args, **kwargs):
+        meter.active = True
+        try:
+            return method(*args, **kwargs)
+        finally:
+            meter.active = False
+
+    return counted
 
 
 def tp_scenarios(rank: int, world_size: int, scenarios: list[dict]) -> list[dict]:
     """Several engines in a row on one (DP x TP) mesh; each scenario's result from this rank."""
     from ds_canzona.bench._instrument import CollectiveMeter, force_deepspeed_ns_dtype
+    from ds_canzona.config import CanzonaConfigError
 
     results = []
     for scenario in scenarios:
@@ -149,6 +176,15 @@ def tp_scenarios(rank: int, world_size: int, scenarios: list[dict]) -> list[dict
         dp = world_size // tp
         config = ds_config(tp=tp, dp=dp, optimizer=scenario["optimizer"], stage=scenario.get("stage", 1),
                            ga=scenario.get("ga", 1), canzona=scenario.get("canzona"))
+        if scenario["mode"] == "refused":
+            config["tensor_parallel"]["preset_model"] = "phi3"
+            try:
+                _initialize(config, make_phi3())
+            except CanzonaConfigError as error:
+                results.append({"error": str(error)})
+            else:
+                results.append({"error": None})
+            continue
         if scenario["mode"] == "fed":
             results.append(_fed_run(config, scenario["steps"], tp))
             continue

@@ -29,6 +29,15 @@ from ds_canzona.zero.checkpoint.reader import Checkpoint
 logger = logging.getLogger("ds_canzona")
 
 
+def _refuse_tensor_parallel(zero) -> None:
+    """Under AutoTP a DP rank's items are spread over its TP group (slices, hosts): not written yet."""
+    if getattr(zero, "tp_size", 1) > 1:
+        raise NotImplementedError(
+            "ds_canzona checkpoints under tensor_parallel.autotp_size > 1 are not implemented yet (the per-tensor "
+            "format would need each TP group to write logical tensors); save the model with DeepSpeed's "
+            "engine.save_16bit_model, or train without AutoTP to use ds_canzona checkpoints")
+
+
 def _agreement(zero) -> Agreement:
     return Agreement(rank=zero.rank, world_size=zero.world_size, group=zero.dp_process_group, device=zero.device)
 
@@ -151,6 +160,7 @@ def save_engine_checkpoint(engine, save_dir, *, tag=None, client_state: dict | N
                            save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
     """engine.save_checkpoint for ds_canzona: every rank writes what it owns; rank 0 commits."""
     zero = engine.optimizer
+    _refuse_tensor_parallel(zero)
     ranks = _agreement(zero)
     error: BaseException | None = None
     payload = meta = None
@@ -321,6 +331,7 @@ def load_engine_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bo
     copied, so a checkpoint that fails them leaves the engine untouched, on every rank.
     """
     zero = engine.optimizer
+    _refuse_tensor_parallel(zero)
     ranks = _agreement(zero)
     with_state = load_optimizer_states and not load_module_only
     error: BaseException | None = None
