@@ -52,7 +52,14 @@ def assert_bitwise(got: dict, ref: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def tp2_dp2():
+def checkpoints(tmp_path_factory):
+    """Checkpoint directories: A saved at TP=2 x DP=2, B at TP=1 x DP=3 after loading A, C at TP=4 after loading B."""
+    root = tmp_path_factory.mktemp("tp_checkpoints")
+    return {name: str(root / name) for name in "ABC"}
+
+
+@pytest.fixture(scope="module")
+def tp2_dp2(checkpoints):
     scenarios = [
         {"tp": 2, "mode": "fed", "steps": FED_STEPS, "optimizer": MUON, "stage": 1, "canzona": SMALL_GROUPS},
         {"tp": 2, "mode": "fed", "steps": FED_STEPS, "optimizer": SHAMPOO, "stage": 2, "canzona": {}},
@@ -61,6 +68,8 @@ def tp2_dp2():
         {"tp": 2, "mode": "train", "steps": TRAIN_STEPS, "optimizer": MUON, "stage": 1},  # DeepSpeed's own Muon
         {"tp": 2, "mode": "train", "steps": 2, "ga": 3, "optimizer": MUON, "stage": 1, "canzona": SMALL_GROUPS,
          "meter": True},
+        {"tp": 2, "mode": "train", "steps": 2, "optimizer": SOAP, "stage": 2, "canzona": SMALL_GROUPS,
+         "save": checkpoints["A"]},
     ]
     return run_ranks(tp_scenarios, 4, scenarios, timeout=1200)
 
@@ -115,10 +124,19 @@ def test_tp2_dp2_plan_summary_prints_the_tp_load(tp2_dp2):
 
 
 @pytest.fixture(scope="module")
-def tp4_dp1():
+def tp1_dp3(tp2_dp2, checkpoints):
+    scenarios = [{"tp": 1, "mode": "train", "steps": 1, "optimizer": SOAP, "stage": 1, "canzona": {},
+                  "load": checkpoints["A"], "save": checkpoints["B"]}]
+    return run_ranks(tp_scenarios, 3, scenarios, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def tp4_dp1(tp1_dp3, checkpoints):
     scenarios = [
         {"tp": 4, "mode": "fed", "steps": FED_STEPS, "optimizer": MUON, "stage": 2, "canzona": SMALL_GROUPS},
         {"tp": 4, "mode": "fed", "steps": FED_STEPS, "optimizer": SOAP, "stage": 1, "canzona": {}},
+        {"tp": 4, "mode": "train", "steps": 0, "optimizer": SOAP, "stage": 2, "canzona": SMALL_GROUPS,
+         "load": checkpoints["B"], "save": checkpoints["C"]},
     ]
     return run_ranks(tp_scenarios, 4, scenarios, timeout=900)
 
@@ -163,3 +181,89 @@ def test_held_before_counts_a_slice_in_logical_order():
             assert torch.equal(held, held.sort().values)
             for index in range(full.numel() + 1):
                 assert split.held_before(rank, index) == int((held < index).sum())
+
+
+def checkpoint_contents(directory: str) -> tuple[dict, dict]:
+    """Masters and optimizer state by tensor name, as ds_canzona's reader puts them together."""
+    from ds_canzona.zero.checkpoint import Checkpoint
+
+    ckpt = Checkpoint.open(directory)
+    return ({name: ckpt.tensor_master(name) for name in ckpt.tensor_names},
+            {name: ckpt.tensor_state(name) for name in ckpt.tensor_names})
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].keys() == b[name].keys(), name
+        for key in a[name]:
+            x, y = a[name][key], b[name][key]
+            assert torch.equal(torch.as_tensor(x), torch.as_tensor(y)), (name, key)
+
+
+def test_checkpoints_reshard_between_tp_and_dp(tp2_dp2, tp1_dp3, tp4_dp1, checkpoints, tmp_path):
+    """Saved at TP=2 x DP=2, the checkpoint holds logical tensors by name: they are the run's parameters,
+    `ds-canzona consolidate` exports them, TP=1 x DP=3 loads them exactly; its checkpoint loads at TP=4
+    (empty slices on one rank) and, saved again at once, is the same checkpoint by name and value."""
+    from ds_canzona.consolidate import consolidate_checkpoint, load_consolidated_model
+
+    saved_params = logical_params(scenario(tp2_dp2, 6), 2)
+    masters_a, state_a = checkpoint_contents(checkpoints["A"] + "/saved")
+    for name, master in masters_a.items():
+        assert torch.equal(master, saved_params[name]), name
+    assert any(state["exp_avg"].dim() == 2 for state in state_a.values())  # SOAP state of whole matrices
+
+    consolidate_checkpoint(checkpoints["A"], str(tmp_path / "out"))
+    exported = load_consolidated_model(str(tmp_path / "out"))
+    for name, master in masters_a.items():
+        assert torch.equal(exported[name].float(), master), name
+
+    loaded_dp3 = scenario(tp1_dp3, 0)
+    for rank in loaded_dp3:
+        for name, master in masters_a.items():
+            assert torch.equal(rank["loaded"][name], master), name
+
+    masters_b, state_b = checkpoint_contents(checkpoints["B"] + "/saved")
+    assert any(not torch.equal(masters_b[n], masters_a[n]) for n in masters_a)  # B trained one more step
+    loaded_tp4 = scenario(tp4_dp1, 2)
+    assert loaded_tp4[3]["splits"]["model.layers.0.self_attn.k_proj.weight"] == (0, (8, 8, 8, 0))
+    loaded = {name: torch.cat([loaded_tp4[r]["loaded"][name] for r in range(4)], dim=split[0]) if split else
+              loaded_tp4[0]["loaded"][name] for name, split in loaded_tp4[0]["splits"].items()}
+    for name, master in masters_b.items():
+        assert torch.equal(loaded[name], master), name
+    masters_c, state_c = checkpoint_contents(checkpoints["C"] + "/saved")
+    for name in masters_b:
+        assert torch.equal(masters_c[name], masters_b[name]), name
+    assert_same_state(state_c, state_b)
+
+
+def trainer_with_autotp(rank: int, world_size: int, outdir: str) -> dict:
+    """The HuggingFace Trainer (transformers' DeepSpeed integration shards the model with
+    ``deepspeed.tp_model_init`` from the config's ``tensor_parallel.autotp_size``) for two steps."""
+    import ds_canzona  # noqa: F401
+    from test_hf import _tiny_trainer
+
+    from ds_canzona.hf import training_arguments
+
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "zero_optimization": {"stage": 1},
+              "tensor_parallel": {"autotp_size": 2},
+              "optimizer": {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 0.003}}, "canzona": {"log_plan": False}}
+    arguments = training_arguments(config, output_dir=outdir, max_steps=2, report_to="none", save_strategy="no",
+                                   disable_tqdm=True, logging_steps=1, lr_scheduler_type="constant")
+    trainer = _tiny_trainer(arguments)
+    trainer.train()
+    engine = trainer.model_wrapped
+    return {"optimizer": type(engine.optimizer).__name__, "steps": trainer.state.global_step,
+            "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
+            "q_proj": tuple(dict(engine.module.named_parameters())["model.layers.0.self_attn.q_proj.weight"].shape),
+            "norm": engine.module.model.norm.weight.detach().clone()}
+
+
+def test_huggingface_trainer_with_autotp(tmp_path):
+    results = run_ranks(trainer_with_autotp, 2, str(tmp_path), timeout=600)
+    for result in results:
+        assert result["optimizer"] == "CanzonaTPZeroOptimizer"
+        assert result["q_proj"] == (32, 64)  # qwen3-tiny's 64 query rows, split over 2 TP ranks
+        assert result["steps"] == 2 and len(result["losses"]) == 2
+    assert results[0]["losses"] == results[1]["losses"], "both TP ranks see the same batches"
+    assert torch.equal(results[0]["norm"], results[1]["norm"]), "replicated parameters stay identical across TP"

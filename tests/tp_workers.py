@@ -127,9 +127,14 @@ def _fed_run(config: dict, steps: int, tp: int) -> dict:
     return {"params": _local_params(engine), "splits": splits}
 
 
-def _train_run(config: dict, steps: int, dp_rank: int, *, meter=None) -> dict:
+def _train_run(config: dict, steps: int, dp_rank: int, *, meter=None, load: str | None = None,
+               save: str | None = None) -> dict:
     engine = _initialize(config, make_qwen3())
     zero = engine.optimizer
+    loaded = None
+    if load is not None:
+        engine.load_checkpoint(load)
+        loaded = _local_params(engine)
     ga = engine.gradient_accumulation_steps()
     calls = []
     if meter is not None:  # counted: the boundary reduction (ZeRO-1, after backward) and engine.step
@@ -144,7 +149,9 @@ def _train_run(config: dict, steps: int, dp_rank: int, *, meter=None) -> dict:
             engine.step()
         if meter is not None:
             calls.append(dict(meter.calls))
-    result = {"params": _local_params(engine), "splits": _splits(engine), "calls": calls}
+    if save is not None:
+        engine.save_checkpoint(save, tag="saved")
+    result = {"params": _local_params(engine), "splits": _splits(engine), "calls": calls, "loaded": loaded}
     if hasattr(zero, "exchange"):
         result["micro_groups"] = len(zero.exchange.groups)
         result["plan_summary"] = zero.plan_summary()
@@ -192,7 +199,8 @@ def tp_scenarios(rank: int, world_size: int, scenarios: list[dict]) -> list[dict
             force_deepspeed_ns_dtype(torch.float32)  # DeepSpeed's Muon in fp32 too: only the distribution differs
         meter = CollectiveMeter(world_size=world_size).install() if scenario.get("meter") else None
         try:
-            results.append(_train_run(config, scenario["steps"], rank // tp, meter=meter))
+            results.append(_train_run(config, scenario["steps"], rank // tp, meter=meter, load=scenario.get("load"),
+                                      save=scenario.get("save")))
         finally:
             if meter is not None:
                 meter.uninstall()

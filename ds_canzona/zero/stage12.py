@@ -230,9 +230,10 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
         return BufferLayout.of_plan(self.plan)
 
     def _make_plan(self, bucket_numel: int) -> DPPlan:
+        self.logical_shapes = self._plan_shapes()
         specs = [ParamSpec(name=name, shape=shape, matrix=group["kind"] != "adamw",
                            heads=rule_for_group(group).plan_heads())
-                 for name, shape, group in zip(self.names, self._plan_shapes(), self.groups)]
+                 for name, shape, group in zip(self.names, self.logical_shapes, self.groups)]
         cap = self.config.max_state_bytes_per_rank
         try:
             return plan_dp_partitions(specs, world_size=self.world_size, bucket_numel=bucket_numel,
@@ -604,6 +605,26 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
         for b in range(len(self.plan.buckets)):
             all_gather_uneven(self.param_flat[b], self.layout.bucket_cuts[b], self.rank, group=self.dp_process_group,
                               counter=self.comm)
+
+    # ------------------------------------------------------------------ checkpoint glue (zero/checkpoint/engine.py)
+    def checkpoint_ranks(self) -> tuple[int, int, object]:
+        """(rank, number of ranks, group) of the ranks that write one shard file each."""
+        return self.rank, self.world_size, self.dp_process_group
+
+    def item_file(self, item: int) -> int:
+        """The shard file (a ``checkpoint_ranks`` rank) that holds plan item ``item``."""
+        return self.plan.owner[item]
+
+    def checkpoint_items(self) -> list[OwnedTensor]:
+        """What this rank writes: its items with their plan shapes (logical under TP)."""
+        return self.owned_tensors()
+
+    def load_targets(self) -> list[OwnedTensor]:
+        """What this rank reads into, shaped as saved; ``after_load`` puts it in place."""
+        return self.owned_tensors()
+
+    def after_load(self) -> None:
+        self.refresh_params_from_masters()
 
     def state_dict(self):
         raise NotImplementedError("ds_canzona checkpoints are written by engine.save_checkpoint "

@@ -63,6 +63,9 @@ class CanzonaTPZeroOptimizer(CanzonaZeroOptimizer):
         self.tp_rank = dist.get_rank(group=tp_process_group)
         super().__init__(optimizer, **kwargs)
         self.norm_group = None  # the whole world: DP x TP
+        if dist.get_rank() != self.rank * self.tp_size + self.tp_rank:
+            raise RuntimeError(f"ds_canzona expects AutoTP's (DP, TP) mesh with TP innermost; global rank "
+                               f"{dist.get_rank()} is DP rank {self.rank}, TP rank {self.tp_rank}")
 
     # ------------------------------------------------------------------ planning
     def _plan_shapes(self) -> list[tuple[int, ...]]:
@@ -171,6 +174,111 @@ class CanzonaTPZeroOptimizer(CanzonaZeroOptimizer):
     @torch.no_grad()
     def _write_slice(self, item: int, values: torch.Tensor) -> None:
         self.item_view(item).copy_(values)
+
+    # ------------------------------------------------------------------ checkpoints: logical tensors by name
+    # One shard file per rank of the world. An item is written by one rank of its DP owner's TP
+    # group: a TP-sharded matrix by its host (whole master and state), an item replicated over TP
+    # by TP rank 0, and a TP-sharded non-matrix item (AdamW slices) by TP rank 0 after gathering
+    # its slices. Loading reads logical tensors by name and takes this rank's part.
+
+    def checkpoint_ranks(self) -> tuple[int, int, object]:
+        return dist.get_rank(), dist.get_world_size(), None
+
+    def item_file(self, item: int) -> int:
+        dp_rank = self.plan.owner[item]
+        items, tp_plan = self.tp_plans[dp_rank]
+        host = 0
+        if item in items:
+            position = items.index(item)
+            host = next(h for g in tp_plan.groups for index, h in zip(g.params, g.hosts) if index == position)
+        return dp_rank * self.tp_size + host  # the mesh is (DP, TP), TP innermost (checked at init)
+
+    def _sliced(self) -> list[OwnedTensor]:
+        """Owned items that are TP slices of a non-matrix tensor (updated where they lie)."""
+        return [t for t in self._owned if self.splits[t.tensor] is not None]
+
+    def _slice_range(self, item: int, rank: int) -> tuple[int, int]:
+        """TP rank ``rank``'s local element range of item ``item`` (a logical piece)."""
+        tensor, start, stop = self.plan.pieces[item]
+        split = self.splits[tensor]
+        return split.held_before(rank, start), split.held_before(rank, stop)
+
+    def _logical_item_shape(self, item: int) -> tuple[int, ...]:
+        tensor, start, stop = self.plan.pieces[item]
+        whole = start == 0 and stop == self.splits[tensor].logical_numel
+        return self.splits[tensor].logical_shape if whole else (stop - start,)
+
+    @torch.no_grad()
+    def checkpoint_items(self) -> list[OwnedTensor]:
+        items = [t for t in self._owned if self.splits[t.tensor] is None] if self.tp_rank == 0 else []
+        items += self.hosted_tensors()
+        for t in self._sliced():  # the same items, in the same order, on every TP rank of this DP rank
+            gathered = self._gather_slices(t)
+            if gathered is not None:
+                items.append(gathered)
+        return items
+
+    def _gather_slices(self, owned: OwnedTensor) -> OwnedTensor | None:
+        """One item's master and elementwise state from every TP rank, whole on TP rank 0 (None elsewhere)."""
+        keys = [k for k, v in owned.state.items() if torch.is_tensor(v) and v.shape == owned.master.shape]
+        parts = 1 + len(keys)
+        counts = [high - low for low, high in (self._slice_range(owned.index, r) for r in range(self.tp_size))]
+        width = max(counts) * parts
+        mine = torch.zeros(width, dtype=torch.float32, device=self.device)
+        local = torch.cat([owned.master.reshape(-1).float()] + [owned.state[k].reshape(-1).float() for k in keys])
+        mine[:local.numel()] = local
+        rows = [torch.empty_like(mine) for _ in range(self.tp_size)]
+        dist.all_gather(rows, mine, group=self.tp_group)
+        if self.tp_rank != 0:
+            return None
+        tensor, start, stop = self.plan.pieces[owned.index]
+        whole = [torch.empty(stop - start, dtype=torch.float32, device=self.device) for _ in range(parts)]
+        for rank, row in enumerate(rows):
+            low, high = self._slice_range(owned.index, rank)
+            positions = self.splits[tensor].logical_index(rank, low, high).to(self.device) - start
+            count = high - low
+            for part in range(parts):
+                whole[part][positions] = row[part * count:(part + 1) * count]
+        shape = self._logical_item_shape(owned.index)
+        state = {k: v for k, v in owned.state.items() if k not in keys}
+        state.update({k: whole[1 + n].view(shape) for n, k in enumerate(keys)})
+        return OwnedTensor(index=owned.index, name=owned.name, master=whole[0].view(shape), state=state,
+                           group=owned.group, tensor=owned.tensor)
+
+    def load_targets(self) -> list[OwnedTensor]:
+        # Sliced items are read whole into stand-ins of the logical shape; after_load takes this rank's part.
+        self._load_stand_ins = []
+        for t in self._sliced():
+            shape = self._logical_item_shape(t.index)
+            state = {k: torch.empty(shape, dtype=v.dtype, device=self.device)
+                     if torch.is_tensor(v) and v.shape == t.master.shape else v for k, v in t.state.items()}
+            stand_in = OwnedTensor(index=t.index, name=t.name, master=torch.empty(shape, device=self.device),
+                                   state=state, group=t.group, tensor=t.tensor)
+            self._load_stand_ins.append((t, stand_in))
+        return ([t for t in self._owned if self.splits[t.tensor] is None] + self.hosted_tensors()
+                + [stand_in for _, stand_in in self._load_stand_ins])
+
+    @torch.no_grad()
+    def after_load(self) -> None:
+        for owned, stand_in in getattr(self, "_load_stand_ins", []):
+            tensor, start, _ = self.plan.pieces[owned.index]
+            low, high = self._slice_range(owned.index, self.tp_rank)
+            positions = self.splits[tensor].logical_index(self.tp_rank, low, high).to(self.device) - start
+            owned.master.copy_(stand_in.master.reshape(-1)[positions].view_as(owned.master))
+            for key, value in stand_in.state.items():
+                current = owned.state[key]
+                if torch.is_tensor(current) and current.shape == owned.master.shape:
+                    current.copy_(value.reshape(-1)[positions].view_as(current))
+                elif torch.is_tensor(current):
+                    current.copy_(value)
+                else:
+                    owned.state[key] = value
+        self._load_stand_ins = []
+        # The hosts' masters back into every rank's slices, then the usual DP all-gather.
+        for k in range(len(self.exchange.groups)):
+            masters = {m.item: self._hosted[m.item].master for m in self.exchange.hosted(k)}
+            self.exchange.finish_scatter(k, self.exchange.launch_scatter(k, masters), self._write_slice)
+        self.refresh_params_from_masters()
 
 
 def _ratio(values: list[float]) -> float:

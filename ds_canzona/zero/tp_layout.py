@@ -71,6 +71,16 @@ class TPSplit:
             count += within
         return count
 
+    def logical_index(self, rank: int, low: int, high: int) -> torch.Tensor:
+        """Logical flat indices of rank ``rank``'s local flat elements ``[low, high)`` (int64)."""
+        if high <= low:
+            return torch.empty(0, dtype=torch.int64)
+        inner = math.prod(self.logical_shape[self.dim + 1:])
+        extent = self.logical_shape[self.dim] * inner
+        local = torch.arange(low, high, dtype=torch.int64)
+        outer, rest = local // (self.sizes[rank] * inner), local % (self.sizes[rank] * inner)
+        return outer * extent + (rest // inner + self.offset(rank)) * inner + rest % inner
+
 
 def _refuse(name: str, why: str) -> CanzonaConfigError:
     return CanzonaConfigError(
