@@ -152,7 +152,9 @@ def test_tp4_with_empty_slices_is_bitwise_the_single_process_step(tp4_dp1, index
 def tp2_dp1():
     scenarios = [
         {"tp": 2, "mode": "fed", "steps": FED_STEPS, "optimizer": SHAMPOO, "stage": 1, "canzona": SMALL_GROUPS},
-        {"tp": 2, "mode": "refused", "optimizer": MUON, "stage": 1, "canzona": {}},
+        {"tp": 2, "mode": "refused", "optimizer": MUON, "stage": 1, "canzona": {}, "phi3": True},
+        {"tp": 2, "mode": "refused", "optimizer": {"type": "Muon", "params": {"lr": 0.02, "per_head_muon": True}},
+         "stage": 1, "canzona": {}},
     ]
     return run_ranks(tp_scenarios, 2, scenarios, timeout=900)
 
@@ -167,6 +169,11 @@ def test_fused_sub_parameters_are_refused_at_init(tp2_dp1):
         assert rank["error"] is not None
         assert "qkv_proj.weight" in rank["error"] and "fused sub-parameter" in rank["error"]
         assert rank["error"].startswith("tensor_parallel.autotp_size")
+
+
+def test_per_head_muon_with_autotp_is_refused_at_init(tp2_dp1):
+    for rank in scenario(tp2_dp1, 2):
+        assert rank["error"] is not None and "per_head_muon together with tensor_parallel.autotp_size" in rank["error"]
 
 
 def test_held_before_counts_a_slice_in_logical_order():

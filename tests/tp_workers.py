@@ -184,9 +184,12 @@ def tp_scenarios(rank: int, world_size: int, scenarios: list[dict]) -> list[dict
         config = ds_config(tp=tp, dp=dp, optimizer=scenario["optimizer"], stage=scenario.get("stage", 1),
                            ga=scenario.get("ga", 1), canzona=scenario.get("canzona"))
         if scenario["mode"] == "refused":
-            config["tensor_parallel"]["preset_model"] = "phi3"
+            model = make_qwen3()
+            if scenario.get("phi3"):
+                config["tensor_parallel"]["preset_model"] = "phi3"
+                model = make_phi3()
             try:
-                _initialize(config, make_phi3())
+                _initialize(config, model)
             except CanzonaConfigError as error:
                 results.append({"error": str(error)})
             else:
