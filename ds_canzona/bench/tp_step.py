@@ -12,8 +12,9 @@ ranks:
 - ``deepspeed``: DeepSpeed 0.19.8's own ZeRO-1 Muon under AutoTP, which orthogonalises each slice
   on its own (a different, wrong update; shown for its speed only). Newton-Schulz in fp32 for all.
 
-Printed per system: median seconds per iteration, the bytes this rank sent into the optimizer
-step's TP exchange (all-to-all or all-gather; ``deepspeed``: none) and, for micro-groups, the
+Printed per system: median seconds per iteration (forward, backward and step: DeepSpeed's Muon
+orthogonalises inside the gradient reduction, in backward), the bytes this rank sent to other
+ranks in the optimizer step's TP exchange (all-to-all or all-gather; ``deepspeed``: none) and, for micro-groups, the
 overlap: the fraction of the exchange's standalone time (the same collectives run alone) that
 the pipelined step does not spend blocked in ``wait()``. On gloo an asynchronous collective runs
 on a background thread, so the CPUs are shared between communication and compute; on NCCL the
@@ -73,8 +74,10 @@ def _rank(rank: int, world_size: int, tp: int, steps: int, warmup: int, micro_gr
     dp_rank = rank // tp
     results = {}
     micro_groups_class = tp_runtime.CanzonaTPZeroOptimizer
+    synchronous_class = _synchronous_class()
     for system in SYSTEMS:
-        tp_runtime.CanzonaTPZeroOptimizer = SynchronousTP if system == "synchronous" else micro_groups_class
+        # build.py looks the TP runtime up at deepspeed.initialize: the synchronous scheme stands in once.
+        tp_runtime.CanzonaTPZeroOptimizer = synchronous_class if system == "synchronous" else micro_groups_class
         try:
             model = _model()
             engine, *_ = deepspeed.initialize(model=model, config=_config(system, tp, micro_group_bytes),
@@ -84,16 +87,18 @@ def _rank(rank: int, world_size: int, tp: int, steps: int, warmup: int, micro_gr
         zero = engine.optimizer
         times, wait = [], 0.0
         for step in range(warmup + steps):
-            batch = _batch(step, dp_rank)
-            logits = engine(input_ids=batch[:, :-1]).logits
-            loss = F.cross_entropy(logits.reshape(-1, MODEL["vocab_size"]).float(), batch[:, 1:].reshape(-1))
-            engine.backward(loss)
             if step == warmup and hasattr(zero, "comm"):
                 zero.comm.reset()
                 if hasattr(zero, "exchange"):
                     zero.exchange.wait_seconds = 0.0
+            # A whole iteration: DeepSpeed's ZeRO-1/2 Muon orthogonalises while it reduces the
+            # gradients (in backward), so timing engine.step alone would leave its Newton-Schulz out.
             torch.distributed.barrier()
             start = time.perf_counter()
+            batch = _batch(step, dp_rank)
+            logits = engine(input_ids=batch[:, :-1]).logits
+            loss = F.cross_entropy(logits.reshape(-1, MODEL["vocab_size"]).float(), batch[:, 1:].reshape(-1))
+            engine.backward(loss)
             engine.step()
             elapsed = time.perf_counter() - start
             if step >= warmup:
@@ -101,7 +106,7 @@ def _rank(rank: int, world_size: int, tp: int, steps: int, warmup: int, micro_gr
         row = {"step_s": statistics.median(times), "exchange_bytes": 0, "overlap": None}
         if hasattr(zero, "comm"):
             counted = zero.comm.bytes
-            row["exchange_bytes"] = (counted.get("all_to_all", 0) + counted.get("tp_all_gather", 0)) // steps
+            row["exchange_bytes"] = (counted.get("tp_exchange_sent", 0) + counted.get("tp_all_gather", 0)) // steps
         if system == "micro-groups":
             wait = zero.exchange.wait_seconds / steps
             alone = _exchange_alone(zero, steps)
@@ -157,7 +162,7 @@ def _synchronous_class():
             mine = torch.zeros(width, dtype=torch.float32, device=self.device)
             mine[:local.numel()] = local.reshape(-1)
             rows = [torch.empty_like(mine) for _ in range(self.tp_size)]
-            self.comm.add("tp_all_gather", mine.numel() * mine.element_size())
+            self.comm.bytes["tp_all_gather"] += (self.tp_size - 1) * mine.numel() * mine.element_size()  # sent on
             dist.all_gather(rows, mine, group=self.tp_group)
             whole = torch.empty(split.logical_shape, dtype=torch.float32, device=self.device)
             for rank, row in enumerate(rows):
@@ -180,16 +185,6 @@ def _synchronous_class():
     return Synchronous
 
 
-class _LazySynchronous:
-    """Stands for the synchronous class until first use (the module stays importable without torch)."""
-
-    def __call__(self, *args, **kwargs):
-        return _synchronous_class()(*args, **kwargs)
-
-
-SynchronousTP = _LazySynchronous()
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=2, help="AutoTP size (default 2)")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
@@ -206,8 +201,9 @@ def run(args: argparse.Namespace) -> int:
     results = run_ranks(_rank, world, args.tp, args.steps, args.warmup, int(args.micro_group_mb * 2**20),
                         timeout=3600)
     print(f"AutoTP TP={args.tp} x DP={args.dp}, ZeRO-1, Qwen3 {MODEL['num_hidden_layers']} layers x "
-          f"{MODEL['hidden_size']}, optimizer step only (engine.step), median of {args.steps}, slowest rank")
-    print("| system | step s | TP exchange bytes per rank per step (max) | overlap (rank 0) |")
+          f"{MODEL['hidden_size']}, micro-batch {MICRO_BATCH} x {SEQ}, seconds per iteration (forward, backward, "
+          f"step), median of {args.steps}, slowest rank")
+    print("| system | s / iteration | TP exchange bytes sent to other ranks per step (max) | overlap (rank 0) |")
     print("|---|---:|---:|---:|")
     for system in SYSTEMS:
         step = max(r[system]["step_s"] for r in results)

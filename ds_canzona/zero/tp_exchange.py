@@ -86,6 +86,8 @@ class MicroGroupExchange:
         send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=torch.float32, device=self.device)
         receive = torch.empty(sum(receive_sizes), dtype=torch.float32, device=self.device)
         self.counter.add("all_to_all", send.numel() * send.element_size())
+        # Bytes only (not a call of its own): what actually leaves this rank, its own split staying local.
+        self.counter.bytes["tp_exchange_sent"] += (send.numel() - send_sizes[self.tp_rank]) * send.element_size()
         handle = dist.all_to_all_single(receive, send, output_split_sizes=receive_sizes, input_split_sizes=send_sizes,
                                         group=self.tp_group, async_op=True)
         return _InFlight(handle=handle, send=send, receive=receive)
