@@ -1,7 +1,8 @@
 """What the engine hook accepts from the rest of a DeepSpeed setup, and what it refuses.
 
-ds_canzona replaces DeepSpeed's ZeRO-1/2 optimizer for plain data parallelism. Anything that
-would change which gradients a rank holds (expert, pipeline, tensor or sequence parallelism), that
+ds_canzona replaces DeepSpeed's ZeRO-1/2 optimizer for data parallelism, and for DeepSpeed AutoTP
+tensor parallelism along with it (``ds_canzona.zero.tp``). Anything else that would change which
+gradients a rank holds (expert, pipeline or sequence parallelism, a tensor-parallel ``mpu``), that
 DeepSpeed would implement by calling methods this optimizer does not have, or that DeepSpeed's own
 optimizer or checkpoint code would honour and this runtime would silently ignore, is refused here:
 one ``CanzonaConfigError`` naming the key or feature and saying what to do, raised inside

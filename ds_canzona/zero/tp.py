@@ -41,7 +41,7 @@ import torch
 import deepspeed.comm as dist
 
 from ds_canzona.optim import rule_for_group
-from ds_canzona.plan import ParamSpec, TPPlan, plan_tp_hosts, tp_host_bytes
+from ds_canzona.plan import TPPlan, plan_tp_hosts, tp_host_bytes
 from ds_canzona.zero.layout import BufferLayout
 from ds_canzona.zero.stage12 import CanzonaZeroOptimizer, OwnedTensor, PlanMismatchError
 from ds_canzona.zero.tp_exchange import ExchangedMatrix, MicroGroupExchange
