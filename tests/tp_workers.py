@@ -60,7 +60,8 @@ def full_gradient(step: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 0.05
 
 
-def ds_config(*, tp: int, dp: int, optimizer: dict, stage: int = 1, ga: int = 1, canzona: dict | None = None) -> dict:
+def ds_config(*, tp: int, dp: int, optimizer: dict, stage: int = 1, ga: int = 1, canzona: dict | None = None,
+              bf16: bool = False) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": ga,
@@ -70,6 +71,8 @@ def ds_config(*, tp: int, dp: int, optimizer: dict, stage: int = 1, ga: int = 1,
         "tensor_parallel": {"autotp_size": tp},
         "optimizer": optimizer,
     }
+    if bf16:
+        config["bf16"] = {"enabled": True}
     if canzona is not None:
         config["canzona"] = {"log_plan": False, "bucket_numel": 3000, **canzona}
     return config
@@ -182,7 +185,7 @@ def tp_scenarios(rank: int, world_size: int, scenarios: list[dict]) -> list[dict
         tp = scenario["tp"]
         dp = world_size // tp
         config = ds_config(tp=tp, dp=dp, optimizer=scenario["optimizer"], stage=scenario.get("stage", 1),
-                           ga=scenario.get("ga", 1), canzona=scenario.get("canzona"))
+                           ga=scenario.get("ga", 1), canzona=scenario.get("canzona"), bf16=scenario.get("bf16", False))
         if scenario["mode"] == "refused":
             model = make_qwen3()
             if scenario.get("phi3"):
@@ -235,19 +238,28 @@ def reference_training(optimizer: dict, *, dp: int, steps: int, ga: int = 1) -> 
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def reference_fed(optimizer: dict, *, steps: int) -> dict[str, torch.Tensor]:
-    """The single-process optimizer on the whole model fed ``full_gradient``, clipped as the runtime clips."""
+def reference_fed(optimizer: dict, *, steps: int, bf16: bool = False) -> dict[str, torch.Tensor]:
+    """The single-process optimizer on the whole model fed ``full_gradient``, clipped as the runtime clips.
+
+    ``bf16``: what a bf16 engine's fp32 masters see: parameters that start bf16-rounded and
+    gradients rounded to bf16 (the ranks' gradients are bf16; summing two equal ones and halving
+    is exact)."""
     import ds_canzona.optim as optim
     from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
     from ds_canzona.zero.build import translate_optimizer_params
 
     model = make_qwen3()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if bf16:
+        for _, p in named:
+            p.data = p.data.bfloat16().float()
     name = optimizer["type"].lower()
     cls = {"muon": optim.Muon, "shampoo": optim.Shampoo, "soap": optim.SOAP}[name]
     opt = cls(named, **translate_optimizer_params(name, optimizer["params"]))
     for step in range(steps):
         grads = [full_gradient(step, n, tuple(p.shape)) for n, p in named]
+        if bf16:
+            grads = [g.bfloat16().float() for g in grads]
         _, coefficient = clip_coefficient(torch.stack([tensor_sq_norm(g) for g in grads]), CLIP)
         for (_, p), g in zip(named, grads):
             p.grad = g.mul_(coefficient) if coefficient < 1.0 else g
