@@ -288,3 +288,23 @@ def test_huggingface_trainer_with_autotp(tmp_path):
         assert result["steps"] == 2 and len(result["losses"]) == 2
     assert results[0]["losses"] == results[1]["losses"], "both TP ranks see the same batches"
     assert torch.equal(results[0]["norm"], results[1]["norm"]), "replicated parameters stay identical across TP"
+
+
+def test_plan_tp_hosts_and_host_bytes():
+    """Algorithm 2 on logical matrices: every matrix in one micro-group with one host, groups within the
+    capacity (unless one matrix alone exceeds it), and the host's bytes are the whole matrix's fp32
+    master plus its optimizer state."""
+    from ds_canzona.plan import ParamSpec, memory_model, plan_tp_hosts, tp_host_bytes
+
+    specs = [ParamSpec(name=f"m{i}", shape=(48 + 8 * i, 48), matrix=True) for i in range(6)]
+    plan = plan_tp_hosts(specs, tp_size=2, capacity_bytes=20_000)
+    placed = sorted(index for group in plan.groups for index in group.params)
+    assert placed == list(range(6)) and len(plan.groups) >= 2
+    for group in plan.groups:
+        assert all(0 <= host < 2 for host in group.hosts)
+        assert max(group.rank_bytes) <= 20_000 or len(group.params) == 1
+    assert plan.digest() == plan_tp_hosts(specs, tp_size=2, capacity_bytes=20_000).digest()
+    spec = ParamSpec(name="w", shape=(48, 32), matrix=True)
+    assert tp_host_bytes(memory_model("muon", param_bytes=4), spec) == 4 * (48 * 32 + 48 * 32)  # master, momentum
+    soap = memory_model("soap", param_bytes=4)
+    assert tp_host_bytes(soap, spec) == 4 * (48 * 32 + 2 * 48 * 32 + 2 * 48 * 48 + 2 * 32 * 32)
