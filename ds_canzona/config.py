@@ -72,6 +72,11 @@ class CanzonaConfig(DeepSpeedConfigModel):
     log_plan: StrictBool = True
     """Rank 0 logs the plan summary (buckets, per-rank cost and memory, the ratios) at init."""
 
+    tp_micro_group_bytes: int = Field(512 * 2**20, gt=0)
+    """Under AutoTP: the most bytes of gathered fp32 gradients one host rank holds per micro-group (the paper's
+    C_max); matrices travel to their hosts in micro-groups of about this size, the exchange of one overlapping
+    the update of the previous."""
+
     comm_timeout_s: float = Field(600.0, gt=0.0)
     """Timeout (s) of the default and data-parallel process groups once the optimizer is built: a dead or
     hung peer makes every collective (steps, checkpoint saves and loads) raise within this bound."""

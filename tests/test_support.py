@@ -64,7 +64,8 @@ REFUSED = [
     ("pipeline module", {}, {}, {"model": "pipeline"}, "pipeline parallelism"),
     ("moe layers", {}, {}, {"model": "moe"}, "deepspeed.moe"),
     ("autoep", {"expert_parallel": {"enabled": True}}, {}, {}, "expert_parallel.enabled"),
-    ("autotp", {"tensor_parallel": {"autotp_size": 2}}, {}, {}, "tensor_parallel.autotp_size"),
+    # AutoTP itself is supported (tests/test_tp.py); with an mpu of the user's it is not.
+    ("autotp with an mpu", {"tensor_parallel": {"autotp_size": 2}}, {}, {"mpu": {}}, "together with an mpu"),
     ("mpu tensor parallel", {}, {}, {"mpu": {"tensor": 2}}, "tensor/model parallel world size 2"),
     ("mpu sequence parallel", {}, {}, {"mpu": {"sequence": 2}}, "sequence parallel world size 2"),
     # DeepSpeed divides the world size by it: 0.5 here, so the batch size is left for it to derive.

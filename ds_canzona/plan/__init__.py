@@ -42,6 +42,7 @@ from .memory import (
     StateMemory,
     memory_model,
     state_elements,
+    tp_host_bytes,
 )
 from .models import (
     load_model_config,
@@ -68,6 +69,7 @@ from .specs import (
 from .tp import (
     MicroGroup,
     TPPlan,
+    plan_tp_hosts,
     plan_tp_micro_groups,
 )
 
@@ -109,6 +111,7 @@ __all__ = [
     "piece_bounds",
     "plan_buckets",
     "plan_dp_partitions",
+    "plan_tp_hosts",
     "plan_tp_micro_groups",
     "plan_zero3_owners",
     "qwen3_specs",
@@ -122,6 +125,7 @@ __all__ = [
     "specs_from_shapes_file",
     "start_index",
     "state_elements",
+    "tp_host_bytes",
     "tp_split_dim",
     "uniform",
 ]

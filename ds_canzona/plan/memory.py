@@ -37,7 +37,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from .specs import ParamSpec, PlanError
 
-__all__ = ["MEMORY_OPTIMIZERS", "MemoryModel", "StateMemory", "state_elements"]
+__all__ = ["MEMORY_OPTIMIZERS", "MemoryModel", "StateMemory", "state_elements", "tp_host_bytes"]
 
 # Bytes of one element of a master weight or of optimizer state (fp32).
 STATE_ELEMENT_BYTES = 4
@@ -136,6 +136,19 @@ def memory_model(optimizer: str = "muon", *, param_bytes: int = 2, **options: An
         options["max_preconditioner_dim"] = options.pop("max_precond_dim")
     options = {key: value for key, value in options.items() if key in MEMORY_OPTIMIZERS.get(optimizer, {})}
     return StateMemory(optimizer=optimizer, param_bytes=param_bytes, options=tuple(sorted(options.items())))
+
+
+def tp_host_bytes(memory: StateMemory, spec: ParamSpec) -> float:
+    """Bytes the tensor-parallel host of a sharded matrix keeps for it (``spec``: the logical matrix).
+
+    Under AutoTP (``ds_canzona.zero.tp``) one rank of the matrix's TP group computes its update on
+    the whole matrix, so that rank keeps a full fp32 master (also for fp32 models: its buffer holds
+    only its own slice) and the optimizer state of the whole matrix; the other TP ranks keep
+    nothing for it beyond their slice of the gradient segment. The data-parallel plan's bytes of
+    such a matrix (logical sizes) are its TP group's; this is how they fall on one rank of it.
+    """
+    state = state_elements(spec, memory.optimizer, **dict(memory.options))
+    return float(STATE_ELEMENT_BYTES * (spec.numel + state))
 
 
 def _block_sizes(size: int, block: int) -> list[int]:

@@ -25,7 +25,7 @@ from typing import Any
 from .cost import CostModel, cost_model
 from .specs import ParamSpec, PlanError
 
-__all__ = ["MicroGroup", "TPPlan", "plan_tp_micro_groups"]
+__all__ = ["MicroGroup", "TPPlan", "plan_tp_hosts", "plan_tp_micro_groups"]
 
 DEFAULT_CAPACITY_BYTES = 512 * 2**20  # the paper saw no gain above ~512 MB
 
@@ -117,13 +117,7 @@ def plan_tp_micro_groups(
     ranks are indices within the TP group.
     """
     specs = tuple(specs)
-    for name, value in (
-        ("tp_size", tp_size),
-        ("capacity_bytes", capacity_bytes),
-        ("bytes_per_element", bytes_per_element),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise PlanError(f"Invalid {name}={value!r}: must be a positive integer.")
+    _check_sizes(tp_size, capacity_bytes, bytes_per_element)
     sharded = [index for index, spec in enumerate(specs) if spec.matrix and spec.tp_size > 1]
     for index in sharded:
         if specs[index].tp_size != tp_size:
@@ -131,8 +125,48 @@ def plan_tp_micro_groups(
     model = cost if cost is not None else cost_model("roofline", "muon")
     # The host computes the full update, so a task costs the whole matrix's work.
     task_cost = {index: model.cost(specs[index]) * specs[index].tp_size for index in sharded}
-    task_bytes = {index: _full_numel(specs[index]) * bytes_per_element for index in sharded}
-    order = sorted(sharded, key=lambda index: (-task_cost[index], index))
+    return _plan(specs, sharded, task_cost, tp_size=tp_size, capacity_bytes=capacity_bytes, model=model,
+                 bytes_per_element=bytes_per_element)
+
+
+def plan_tp_hosts(
+    specs: Sequence[ParamSpec],
+    *,
+    tp_size: int,
+    capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
+    cost: CostModel | None = None,
+    bytes_per_element: int = 4,
+) -> TPPlan:
+    """Micro-groups and hosts for whole matrices given by their logical (unsharded) specs.
+
+    The runtime's entry point: AutoTP splits can be uneven (whole KV heads per rank), so the
+    runtime plans every sharded matrix by its logical shape, priced as the whole matrix's update,
+    and every rank of the TP group gets the same plan.
+    """
+    specs = tuple(specs)
+    _check_sizes(tp_size, capacity_bytes, bytes_per_element)
+    model = cost if cost is not None else cost_model("roofline", "muon")
+    indices = list(range(len(specs)))
+    task_cost = {index: model.cost(specs[index]) for index in indices}
+    return _plan(specs, indices, task_cost, tp_size=tp_size, capacity_bytes=capacity_bytes, model=model,
+                 bytes_per_element=bytes_per_element)
+
+
+def _check_sizes(tp_size: int, capacity_bytes: int, bytes_per_element: int) -> None:
+    for name, value in (
+        ("tp_size", tp_size),
+        ("capacity_bytes", capacity_bytes),
+        ("bytes_per_element", bytes_per_element),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanError(f"Invalid {name}={value!r}: must be a positive integer.")
+
+
+def _plan(specs: tuple[ParamSpec, ...], tasks: list[int], task_cost: dict[int, float], *, tp_size: int,
+          capacity_bytes: int, model: CostModel, bytes_per_element: int) -> TPPlan:
+    """Algorithm 2 over ``tasks`` (indices into ``specs``), each costing ``task_cost`` on its host."""
+    task_bytes = {index: _full_numel(specs[index]) * bytes_per_element for index in tasks}
+    order = sorted(tasks, key=lambda index: (-task_cost[index], index))
 
     groups: list[MicroGroup] = []
     members: list[int] = []

@@ -53,6 +53,7 @@ from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
 from ds_canzona.plan import CostModel, DPPlan, MemoryCapError, ParamSpec, StateMemory, memory_model, plan_dp_partitions
 from ds_canzona.zero.comm import CommCounter, all_gather_uneven, all_reduce_sum, reduce_scatter_uneven
 from ds_canzona.zero.compat import at_accumulation_boundary
+from ds_canzona.zero.layout import BufferLayout
 
 # Stage 2 reduce-scatters launched and not yet waited on. One is not enough on a busy host: the
 # next bucket's gradients then wait inside backward for the previous collective (measured with
@@ -163,6 +164,8 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
         self.stage = stage
         self.partition_gradients = stage == 2
         self.dp_process_group = dp_process_group
+        # The clipping norm's all-reduce; the tensor-parallel runtime widens it to DP x TP.
+        self.norm_group = dp_process_group
         self.clip_grad = float(clip_grad or 0.0)
         self.world_size = dist.get_world_size(group=dp_process_group)
         self.rank = dist.get_rank(group=dp_process_group)
@@ -195,6 +198,7 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
             postscale_gradients=postscale_gradients, gradient_predivide_factor=gradient_predivide_factor)
 
         self.plan = self._make_plan(bucket_numel)
+        self.layout = self._buffer_layout()
         self._check_plan_agreement()
         # Printed, not logged at INFO: DeepSpeed's ranks log at WARNING by default, and a plan
         # summary that nobody sees cannot be checked.
@@ -217,10 +221,19 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
         self._reset_reduction()
 
     # ------------------------------------------------------------------ planning
+    def _plan_shapes(self) -> list[tuple[int, ...]]:
+        """The shape the plan prices for each tensor: its own (the tensor-parallel runtime: its logical one)."""
+        return [tuple(p.shape) for p in self.params]
+
+    def _buffer_layout(self) -> BufferLayout:
+        """Where each plan item lies in this rank's flat buffers: the plan's own offsets without TP."""
+        return BufferLayout.of_plan(self.plan)
+
     def _make_plan(self, bucket_numel: int) -> DPPlan:
-        specs = [ParamSpec(name=name, shape=tuple(p.shape), matrix=group["kind"] != "adamw",
+        self.logical_shapes = self._plan_shapes()
+        specs = [ParamSpec(name=name, shape=shape, matrix=group["kind"] != "adamw",
                            heads=rule_for_group(group).plan_heads())
-                 for name, p, group in zip(self.names, self.params, self.groups)]
+                 for name, shape, group in zip(self.names, self.logical_shapes, self.groups)]
         cap = self.config.max_state_bytes_per_rank
         try:
             return plan_dp_partitions(specs, world_size=self.world_size, bucket_numel=bucket_numel,
@@ -291,12 +304,12 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
         for item, (tensor, start, _) in enumerate(plan.pieces):
             if start == 0:
                 self.tensor_bucket[tensor] = plan.bucket_of[item]
-                self.tensor_offset[tensor] = plan.offset[item]
+                self.tensor_offset[tensor] = self.layout.item_offset[item]
                 self.bucket_tensors[plan.bucket_of[item]].append(tensor)
 
     def _item_slice(self, tensor_view: torch.Tensor, item: int) -> torch.Tensor:
         """Item ``item``'s part of its tensor's ``tensor_view``: the view itself when whole, else 1-D."""
-        _, start, stop = self.plan.pieces[item]
+        start, stop = self.layout.piece_range[item]
         if start == 0 and stop == tensor_view.numel():
             return tensor_view
         return tensor_view.view(-1)[start:stop]
@@ -312,7 +325,7 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
         self.param_views: list[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
         self.grad_views: list[torch.Tensor | None] = [None] * len(self.params)
         for bucket in plan.buckets:
-            flat = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
+            flat = torch.empty(self.layout.bucket_numel[bucket.index], dtype=self.dtype, device=self.device)
             for i in self.bucket_tensors[bucket.index]:
                 p, start = self.params[i], self.tensor_offset[i]
                 view = flat[start:start + p.numel()].view_as(p)
@@ -321,7 +334,7 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
                 self.param_views[i] = view
             self.param_flat.append(flat)
             self.grad_flat.append(None)
-            cuts = bucket.cuts
+            cuts = self.layout.bucket_cuts[bucket.index]
             self.grad_segment.append(torch.empty(cuts[self.rank + 1] - cuts[self.rank],
                                                  dtype=self.reduction.communicate_dtype, device=self.device))
             if not self.partition_gradients:
@@ -331,8 +344,7 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
         """Bucket b's flat gradient buffer, allocated (zeroed, with its per-param views) if absent."""
         flat = self.grad_flat[b]
         if flat is None:
-            bucket = self.plan.buckets[b]
-            flat = torch.zeros(bucket.numel, dtype=self.reduction.accumulate_dtype, device=self.device)
+            flat = torch.zeros(self.layout.bucket_numel[b], dtype=self.reduction.accumulate_dtype, device=self.device)
             for i in self.bucket_tensors[b]:
                 start = self.tensor_offset[i]
                 self.grad_views[i] = flat[start:start + self.params[i].numel()].view_as(self.params[i])
@@ -349,25 +361,27 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
         return self._item_slice(self.param_views[self.plan.pieces[item][0]], item)
 
     def _build_owned_state(self) -> list[OwnedTensor]:
-        owned = []
-        for j in self.plan.owned_params(self.rank):
-            tensor = self.plan.pieces[j][0]
-            view = self.item_view(j)
-            # fp32 models update the buffer in place; lower precision keeps an fp32 master.
-            master = view if view.dtype == torch.float32 else view.detach().float().clone()
-            group = self.groups[tensor]
-            owned.append(OwnedTensor(index=j, name=self.plan.specs[j].name, master=master,
-                                     state=rule_for_group(group).init_state(master), group=group, tensor=tensor))
-        return owned
+        return [self._own_item(j) for j in self.plan.owned_params(self.rank)]
+
+    def _own_item(self, j: int) -> OwnedTensor:
+        tensor = self.plan.pieces[j][0]
+        view = self.item_view(j)
+        # fp32 models update the buffer in place; lower precision keeps an fp32 master.
+        master = view if view.dtype == torch.float32 else view.detach().float().clone()
+        group = self.groups[tensor]
+        return OwnedTensor(index=j, name=self.plan.specs[j].name, master=master,
+                           state=rule_for_group(group).init_state(master), group=group, tensor=tensor)
 
     def _segment_grad(self, j: int) -> torch.Tensor:
         """The reduced gradient of owned item j inside this rank's segment buffer (shaped like its master)."""
         b = self.plan.bucket_of[j]
-        start = self.plan.offset[j] - self.plan.buckets[b].cuts[self.rank]
-        segment = self.grad_segment[b][start:start + self.plan.specs[j].numel]
+        start = self.layout.item_offset[j] - self.layout.bucket_cuts[b][self.rank]
+        numel = self.layout.item_numel[j]
+        segment = self.grad_segment[b][start:start + numel]
         tensor = self.plan.pieces[j][0]
-        return segment.view_as(self.params[tensor]) if self.plan.specs[j].numel == self.params[tensor].numel() \
-            else segment
+        start, stop = self.layout.piece_range[j]
+        whole = start == 0 and stop == self.params[tensor].numel()
+        return segment.view_as(self.params[tensor]) if whole else segment
 
     # ------------------------------------------------------------------ backward
     def _register_grad_hooks(self) -> None:
@@ -444,7 +458,7 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
             self._release_grad_bucket(b)  # the copy in the communication dtype carries the gradients now
         if reduction.pre_divide != 1.0:
             send.div_(reduction.pre_divide)
-        handle = reduce_scatter_uneven(self.grad_segment[b], send, self.plan.buckets[b].cuts,
+        handle = reduce_scatter_uneven(self.grad_segment[b], send, self.layout.bucket_cuts[b],
                                        group=self.dp_process_group, counter=self.comm,
                                        async_op=self.partition_gradients)
         if handle is not None:
@@ -513,15 +527,17 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
     @torch.no_grad()
     def step(self, closure=None):
         self._finish_reduction()
-        grads = [self._averaged_grad(t.index) for t in self._owned]
+        items = self._step_items()
+        grads = [self._averaged_grad(j) for j in items]
 
         # One collective for both the overflow check and clipping: every entry is non-zero on
         # its owner only, so the all-reduced vector is exact, and its sum in buffer order is
         # the same number on every rank and at every world size.
         sq_norms = torch.zeros(len(self.plan.specs), dtype=torch.float64, device=self.device)
-        for t, g in zip(self._owned, grads):
-            sq_norms[t.index] = tensor_sq_norm(g)
-        all_reduce_sum(sq_norms, group=self.dp_process_group, counter=self.comm, kind="all_reduce")
+        for j, g in zip(items, grads):
+            if self._counts_in_norm(j):
+                sq_norms[j] = tensor_sq_norm(g)
+        all_reduce_sum(sq_norms, group=self.norm_group, counter=self.comm, kind="all_reduce")
         self.overflow = not bool(torch.isfinite(sq_norms).all())
         self.loss_scaler.update_scale(self.overflow)
         if self.overflow:
@@ -543,10 +559,18 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
         self.zero_grad()
         return None
 
+    def _step_items(self) -> list[int]:
+        """The plan items whose reduced gradient this rank reads in the step: what it owns."""
+        return [t.index for t in self._owned]
+
+    def _counts_in_norm(self, item: int) -> bool:
+        """Whether this rank adds the item's squared norm (the tensor-parallel runtime counts replicas once)."""
+        return True
+
     def _update_owned(self, grads: list[torch.Tensor]) -> None:
-        """Run each group's per-tensor rule on the owned tensors of that group."""
+        """Run each group's per-tensor rule on the owned tensors of that group (``grads`` as ``_step_items``)."""
         for group in self.optimizer.param_groups:
-            members = [(t, g) for t, g in zip(self._owned, grads) if t.group is group]
+            members = [(t, g) for t, g in zip(self._owned, grads[:len(self._owned)]) if t.group is group]
             if not members:
                 continue
             # Every gradient is known finite here: the norm all-reduce already caught any overflow.
@@ -578,9 +602,29 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
             view = self.item_view(t.index)
             if t.master is not view:
                 view.copy_(t.master)
-        for b, bucket in enumerate(self.plan.buckets):
-            all_gather_uneven(self.param_flat[b], bucket.cuts, self.rank, group=self.dp_process_group,
+        for b in range(len(self.plan.buckets)):
+            all_gather_uneven(self.param_flat[b], self.layout.bucket_cuts[b], self.rank, group=self.dp_process_group,
                               counter=self.comm)
+
+    # ------------------------------------------------------------------ checkpoint glue (zero/checkpoint/engine.py)
+    def checkpoint_ranks(self) -> tuple[int, int, object]:
+        """(rank, number of ranks, group) of the ranks that write one shard file each."""
+        return self.rank, self.world_size, self.dp_process_group
+
+    def item_file(self, item: int) -> int:
+        """The shard file (a ``checkpoint_ranks`` rank) that holds plan item ``item``."""
+        return self.plan.owner[item]
+
+    def checkpoint_items(self) -> list[OwnedTensor]:
+        """What this rank writes: its items with their plan shapes (logical under TP)."""
+        return self.owned_tensors()
+
+    def load_targets(self) -> list[OwnedTensor]:
+        """What this rank reads into, shaped as saved; ``after_load`` puts it in place."""
+        return self.owned_tensors()
+
+    def after_load(self) -> None:
+        self.refresh_params_from_masters()
 
     def state_dict(self):
         raise NotImplementedError("ds_canzona checkpoints are written by engine.save_checkpoint "

@@ -1,7 +1,8 @@
 """What the engine hook accepts from the rest of a DeepSpeed setup, and what it refuses.
 
-ds_canzona replaces DeepSpeed's ZeRO-1/2 optimizer for plain data parallelism. Anything that
-would change which gradients a rank holds (expert, pipeline, tensor or sequence parallelism), that
+ds_canzona replaces DeepSpeed's ZeRO-1/2 optimizer for data parallelism, and for DeepSpeed AutoTP
+tensor parallelism along with it (``ds_canzona.zero.tp``). Anything else that would change which
+gradients a rank holds (expert, pipeline or sequence parallelism, a tensor-parallel ``mpu``), that
 DeepSpeed would implement by calling methods this optimizer does not have, or that DeepSpeed's own
 optimizer or checkpoint code would honour and this runtime would silently ignore, is refused here:
 one ``CanzonaConfigError`` naming the key or feature and saying what to do, raised inside
@@ -103,10 +104,9 @@ def _check_parallelism(engine, params: dict[str, Any]) -> None:
     _check_pipeline(engine)  # DeepSpeed 0.19.4+ set the flag before _do_sanity_check
     if bool((params.get("expert_parallel") or {}).get("enabled", False)):
         raise _refuse("expert_parallel.enabled (AutoEP)", "set it to false")
-    autotp = engine.autotp_size() if hasattr(engine, "autotp_size") else 0
-    if (autotp or 0) > 1:
-        raise _refuse(f"tensor_parallel.autotp_size {autotp}",
-                      "Muon would orthogonalise shards of each matrix; set it to 0 or 1")
+    autotp = (engine.autotp_size() if hasattr(engine, "autotp_size") else 0) or 0
+    if autotp > 1:
+        _check_autotp(engine, autotp)
     sequence = params.get("sequence_parallel_size", 1)
     if isinstance(sequence, int) and sequence > 1:
         raise _refuse(f"sequence_parallel_size {sequence}", "set it to 1")
@@ -117,7 +117,7 @@ def _check_parallelism(engine, params: dict[str, Any]) -> None:
     if mpu is None:
         return
     tensor = _mpu_size(mpu, "get_tensor_model_parallel_world_size", "get_model_parallel_world_size")
-    if tensor > 1:
+    if tensor > 1 and not (autotp > 1 and _is_autotp_mpu(mpu)):
         raise _refuse(f"an mpu with tensor/model parallel world size {tensor}",
                       "Muon would orthogonalise shards of each matrix; pass mpu=None or an mpu of size 1")
     pipe = _mpu_size(mpu, "get_pipeline_model_parallel_world_size", "get_pipe_parallel_world_size")
@@ -126,6 +126,28 @@ def _check_parallelism(engine, params: dict[str, Any]) -> None:
     sequence = _mpu_size(mpu, "get_sequence_parallel_world_size")
     if sequence > 1:
         raise _refuse(f"an mpu with sequence parallel world size {sequence}", "pass mpu=None or an mpu of size 1")
+
+
+def _is_autotp_mpu(mpu) -> bool:
+    """AutoTP sets ``engine.mpu`` to DeepSpeed's own ``groups`` module; any other TP mpu is a user's."""
+    from deepspeed.utils import groups
+    return mpu is groups
+
+
+def _check_autotp(engine, autotp: int) -> None:
+    """AutoTP is supported with ZeRO-1/2 (ds_canzona.zero.tp); what that runtime lacks is refused here.
+
+    Layouts AutoTP may produce that the runtime does not handle (fused sub-parameters) are
+    refused in ``ds_canzona.zero.tp_layout`` once the model is sharded, still before anything of
+    ds_canzona is allocated.
+    """
+    mpu = getattr(engine, "mpu", None)
+    if mpu is not None and not _is_autotp_mpu(mpu):
+        raise _refuse(f"tensor_parallel.autotp_size {autotp} together with an mpu",
+                      "let AutoTP make the groups (pass mpu=None)")
+    if engine.zero_optimization_stage() not in (1, 2):
+        raise _refuse(f"tensor_parallel.autotp_size {autotp} at ZeRO stage {engine.zero_optimization_stage()}",
+                      "use stage 1 or 2")
 
 
 # ZeRO++ and other ZeRO features built into DeepSpeed's own optimizers, by the key a user writes.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import secrets
 from typing import Any
@@ -30,7 +31,9 @@ logger = logging.getLogger("ds_canzona")
 
 
 def _agreement(zero) -> Agreement:
-    return Agreement(rank=zero.rank, world_size=zero.world_size, group=zero.dp_process_group, device=zero.device)
+    """The ranks that write one shard file each: the DP group, or the whole DP x TP world under AutoTP."""
+    rank, world_size, group = zero.checkpoint_ranks()
+    return Agreement(rank=rank, world_size=world_size, group=group, device=zero.device)
 
 
 def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -44,7 +47,7 @@ def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
 def _owned_payload(zero) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
-    for owned in zero.owned_tensors():
+    for owned in zero.checkpoint_items():
         tensors[master_key(owned.name)] = _cpu_copy(owned.master)
         for key, value in owned.state.items():
             if "/" in key:
@@ -139,11 +142,12 @@ def _item_entry(zero, item: int, group_index: dict[int, int]) -> dict[str, Any]:
     """The manifest entry of plan item ``item``: a whole tensor, or a piece that names its tensor."""
     plan = zero.plan
     tensor, start, stop = plan.pieces[item]
-    param, group = zero.params[tensor], zero.groups[tensor]
+    group = zero.groups[tensor]
+    shape = zero.logical_shapes[tensor]  # the parameter's shape; under AutoTP its unsharded one
     entry = {"name": plan.specs[item].name, "shape": list(plan.specs[item].shape), "kind": group["kind"],
-             "group": group_index[id(group)], "file": plan.owner[item]}
-    if stop - start != param.numel():
-        entry.update(tensor=zero.names[tensor], start=start, stop=stop, tensor_shape=list(param.shape))
+             "group": group_index[id(group)], "file": zero.item_file(item)}
+    if stop - start != math.prod(shape):
+        entry.update(tensor=zero.names[tensor], start=start, stop=stop, tensor_shape=list(shape))
     return entry
 
 
@@ -166,7 +170,7 @@ def save_engine_checkpoint(engine, save_dir, *, tag=None, client_state: dict | N
         ckpt_dir = os.path.join(save_dir, tag)
         os.makedirs(ckpt_dir, exist_ok=True)
         payload = _owned_payload(zero)
-        if zero.rank == 0:
+        if ranks.rank == 0:
             meta = _build_meta(engine, zero, tag, client_state, exclude_frozen_parameters)
             serialize_meta(meta)
     except Exception as caught:
@@ -179,11 +183,11 @@ def save_engine_checkpoint(engine, save_dir, *, tag=None, client_state: dict | N
     save_id = f"{int(rows[0, 2]):016x}"
 
     # 1. every rank writes its shard under a name no earlier save used
-    path = os.path.join(ckpt_dir, shard_name(zero.rank, save_id))
+    path = os.path.join(ckpt_dir, shard_name(ranks.rank, save_id))
     size = -1
     try:
         tensors, scalars = payload
-        size = write_shard(path, tensors, shard_header(save_id, zero.rank, zero.world_size, json.dumps(scalars)))
+        size = write_shard(path, tensors, shard_header(save_id, ranks.rank, ranks.world_size, json.dumps(scalars)))
     except Exception as caught:
         error = caught
     payload = tensors = None  # the CPU copies: free them before waiting for the other ranks
@@ -196,11 +200,11 @@ def save_engine_checkpoint(engine, save_dir, *, tag=None, client_state: dict | N
     ranks.check(rows, error, f"writing checkpoint shard {path}")
 
     # 2. all shards are complete: rank 0 commits the tag (manifest), then the directory (latest)
-    if zero.rank == 0:
+    if ranks.rank == 0:
         try:
             meta["save_id"] = save_id
             meta["files"] = [{"name": shard_name(r, save_id), "rank": r, "bytes": int(rows[r, 1])}
-                             for r in range(zero.world_size)]
+                             for r in range(ranks.world_size)]
             atomic_write(os.path.join(ckpt_dir, META_FILE), write_bytes(serialize_meta(meta)))
             if save_latest:
                 atomic_write(os.path.join(save_dir, LATEST_FILE), write_bytes(tag.encode()))
@@ -212,7 +216,7 @@ def save_engine_checkpoint(engine, save_dir, *, tag=None, client_state: dict | N
     ranks.check(rows, error, f"committing checkpoint {ckpt_dir}")
     if engine.global_rank == 0:
         # Printed, as the plan summary: DeepSpeed's ranks log at WARNING by default.
-        print(f"ds_canzona: saved checkpoint {tag!r} to {os.path.abspath(ckpt_dir)} ({zero.world_size} shard "
+        print(f"ds_canzona: saved checkpoint {tag!r} to {os.path.abspath(ckpt_dir)} ({ranks.world_size} shard "
               f"files{', latest updated' if save_latest else ''})", flush=True)
     return True
 
@@ -335,10 +339,10 @@ def load_engine_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bo
         found = resolved is not None
         if found:
             ckpt = Checkpoint(os.path.join(load_dir, resolved), read_meta(os.path.join(load_dir, resolved)))
-            check_same_model(ckpt.meta, {n: list(p.shape) for n, p in zip(zero.names, zero.params)}, ckpt.directory)
+            check_same_model(ckpt.meta, {n: list(s) for n, s in zip(zero.names, zero.logical_shapes)}, ckpt.directory)
             if with_state:
                 _check_kinds(ckpt, zero)
-            _check_owned_reads(ckpt, zero.owned_tensors(), with_state, zero)
+            _check_owned_reads(ckpt, zero.load_targets(), with_state, zero)
             current_extra, _ = _module_extra(engine, zero)
             saved_extra = ckpt.meta.get("module_extra") or {}
             missing = {k for k in set(current_extra) - set(saved_extra)
@@ -362,12 +366,12 @@ def load_engine_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bo
         return None, None
 
     try:
-        _copy_owned(ckpt, zero.owned_tensors(), with_state, zero)
+        _copy_owned(ckpt, zero.load_targets(), with_state, zero)
     except Exception as caught:
         error = caught
     rows = ranks.gather([error is None])
     ranks.check(rows, error, f"reading checkpoint {ckpt.directory}")
-    zero.refresh_params_from_masters()
+    zero.after_load()
     if extra:
         with torch.no_grad():
             engine.module.load_state_dict(extra, strict=False)

@@ -1,0 +1,283 @@
+"""Rank-side functions of the AutoTP tests (tests/test_tp.py), spawned by tests/distributed.py.
+
+The model is a transformers Qwen3 with 6 attention heads and 3 KV heads, so at TP=2 AutoTP gives
+the ranks 2 and 1 KV heads (q: 32 and 16 rows, k and v: 16 and 8), and at TP=4 1/1/1/0 KV heads:
+the last rank holds empty slices. Every rank returns its local parameters with AutoTP's split of
+each, so the test reassembles the logical tensors itself (by concatenation along the split dim).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+VOCAB = 96
+QWEN3_TP = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
+                num_key_value_heads=3, head_dim=8, tie_word_embeddings=False, use_cache=False,
+                attn_implementation="eager", max_position_embeddings=64)
+MICRO_BATCH = 2
+SEQ = 13
+CLIP = 1.0
+
+
+def make_qwen3(seed: int = 0):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_TP))
+    model.train()
+    return model
+
+
+def make_phi3(seed: int = 0):
+    """A Phi3: fused qkv_proj and gate_up_proj, which AutoTP shards per sub-parameter (SubParam* layers)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(seed)
+    settings = {key: value for key, value in QWEN3_TP.items() if key != "head_dim"}
+    settings["num_key_value_heads"] = settings["num_attention_heads"]  # the preset cuts qkv in equal thirds
+    model = Phi3ForCausalLM(Phi3Config(**settings, pad_token_id=0))
+    model.train()
+    return model
+
+
+def tokens(step: int, micro: int, dp_rank: int) -> torch.Tensor:
+    """The micro-batch of data-parallel rank ``dp_rank`` (every TP rank of it sees the same)."""
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + dp_rank)
+    start = torch.randint(0, VOCAB, (MICRO_BATCH, 1), generator=g)
+    stride = torch.randint(1, 4, (MICRO_BATCH, 1), generator=g)
+    return (start + stride * torch.arange(SEQ)) % VOCAB
+
+
+def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=batch[:, :-1]).logits
+    return F.cross_entropy(logits.reshape(-1, VOCAB).float(), batch[:, 1:].reshape(-1))
+
+
+def full_gradient(step: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A fixed gradient for (step, parameter), large enough that clipping at CLIP is active."""
+    seed = 7919 * step + sum(ord(c) * (i + 1) for i, c in enumerate(name))
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def ds_config(*, tp: int, dp: int, optimizer: dict, stage: int = 1, ga: int = 1, canzona: dict | None = None,
+              bf16: bool = False) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": ga,
+        "gradient_clipping": CLIP,
+        "steps_per_print": 10_000,
+        "zero_optimization": {"stage": stage},
+        "tensor_parallel": {"autotp_size": tp},
+        "optimizer": optimizer,
+    }
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    if canzona is not None:
+        config["canzona"] = {"log_plan": False, "bucket_numel": 3000, **canzona}
+    return config
+
+
+def _splits(engine) -> dict[str, tuple[int, tuple[int, ...]] | None]:
+    from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
+
+    out = {}
+    for name, param in engine.module.named_parameters():
+        meta = getattr(param, DS_AUTOTP_UC_META, None)
+        if meta is None or meta.get("replicated") or meta.get("partition_dim") is None:
+            out[name] = None
+        else:
+            out[name] = (int(meta["partition_dim"]), tuple(int(s) for s in meta["partition_sizes"]))
+    return out
+
+
+def _local_params(engine) -> dict[str, torch.Tensor]:
+    return {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
+
+
+def _initialize(config: dict, model):
+    import deepspeed
+    import ds_canzona  # noqa: F401  (registers the engine hook)
+
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    return engine
+
+
+def _fed_run(config: dict, steps: int, tp: int) -> dict:
+    """Each step's gradient is ``full_gradient`` (the TP slice of it on each rank), fed through backward."""
+    from deepspeed.utils import groups
+
+    engine = _initialize(config, make_qwen3())
+    splits = _splits(engine)
+    tp_rank = groups.get_tensor_model_parallel_rank()
+    named = list(engine.module.named_parameters())
+    for step in range(steps):
+        loss = torch.zeros(())
+        for name, param in named:
+            logical = list(param.shape)
+            if splits[name] is not None:
+                dim, sizes = splits[name]
+                logical[dim] = sum(sizes)
+            grad = full_gradient(step, name, tuple(logical))
+            if splits[name] is not None:
+                dim, sizes = splits[name]
+                grad = grad.narrow(dim, sum(sizes[:tp_rank]), sizes[tp_rank])
+            if getattr(param, "_ds_grad_allreduce_registered", False):
+                grad = grad / tp  # AutoTP sums these over the TP group (exact: tp is a power of two)
+            loss = loss + (param * grad).sum()
+        engine.backward(loss)
+        engine.step()
+    return {"params": _local_params(engine), "splits": splits}
+
+
+def _train_run(config: dict, steps: int, dp_rank: int, *, meter=None, load: str | None = None,
+               save: str | None = None) -> dict:
+    engine = _initialize(config, make_qwen3())
+    zero = engine.optimizer
+    loaded = None
+    if load is not None:
+        engine.load_checkpoint(load)
+        loaded = _local_params(engine)
+    ga = engine.gradient_accumulation_steps()
+    calls = []
+    if meter is not None:  # counted: the boundary reduction (ZeRO-1, after backward) and engine.step
+        zero.reduce_gradients = _metered(zero.reduce_gradients, meter)
+        zero.step = _metered(zero.step, meter)
+    for step in range(steps):
+        if meter is not None:
+            meter.reset()
+        for micro in range(ga):
+            loss = lm_loss(engine, tokens(step, micro, dp_rank))
+            engine.backward(loss)
+            engine.step()
+        if meter is not None:
+            calls.append(dict(meter.calls))
+    if save is not None:
+        engine.save_checkpoint(save, tag="saved")
+    result = {"params": _local_params(engine), "splits": _splits(engine), "calls": calls, "loaded": loaded}
+    if hasattr(zero, "exchange"):
+        result["micro_groups"] = len(zero.exchange.groups)
+        result["plan_summary"] = zero.plan_summary()
+        result["buckets"] = len(zero.plan.buckets)
+        result["segments"] = sum(cuts[r + 1] > cuts[r] for cuts in zero.layout.bucket_cuts
+                                 for r in range(len(cuts) - 1))
+    return result
+
+
+def _metered(method, meter):
+    def counted(*args, **kwargs):
+        meter.active = True
+        try:
+            return method(*args, **kwargs)
+        finally:
+            meter.active = False
+
+    return counted
+
+
+def tp_scenarios(rank: int, world_size: int, scenarios: list[dict]) -> list[dict]:
+    """Several engines in a row on one (DP x TP) mesh; each scenario's result from this rank."""
+    from ds_canzona.bench._instrument import CollectiveMeter, force_deepspeed_ns_dtype
+    from ds_canzona.config import CanzonaConfigError
+
+    results = []
+    for scenario in scenarios:
+        tp = scenario["tp"]
+        dp = world_size // tp
+        config = ds_config(tp=tp, dp=dp, optimizer=scenario["optimizer"], stage=scenario.get("stage", 1),
+                           ga=scenario.get("ga", 1), canzona=scenario.get("canzona"), bf16=scenario.get("bf16", False))
+        if scenario["mode"] == "refused":
+            model = make_qwen3()
+            if scenario.get("phi3"):
+                config["tensor_parallel"]["preset_model"] = "phi3"
+                model = make_phi3()
+            try:
+                _initialize(config, model)
+            except CanzonaConfigError as error:
+                results.append({"error": str(error)})
+            else:
+                results.append({"error": None})
+            continue
+        if scenario["mode"] == "fed":
+            results.append(_fed_run(config, scenario["steps"], tp))
+            continue
+        if scenario.get("canzona") is None:
+            force_deepspeed_ns_dtype(torch.float32)  # DeepSpeed's Muon in fp32 too: only the distribution differs
+        meter = CollectiveMeter(world_size=world_size).install() if scenario.get("meter") else None
+        try:
+            results.append(_train_run(config, scenario["steps"], rank // tp, meter=meter, load=scenario.get("load"),
+                                      save=scenario.get("save")))
+        finally:
+            if meter is not None:
+                meter.uninstall()
+    return results
+
+
+def reference_training(optimizer: dict, *, dp: int, steps: int, ga: int = 1) -> dict[str, torch.Tensor]:
+    """Single-process training with ``ds_canzona.optim`` on the whole model: each step's gradient is the
+    mean over the DP ranks' micro-batches, clipped by the global norm as the runtime clips."""
+    import ds_canzona.optim as optim
+    from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
+    from ds_canzona.zero.build import translate_optimizer_params
+
+    model = make_qwen3()
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    name = optimizer["type"].lower()
+    cls = {"muon": optim.Muon, "shampoo": optim.Shampoo, "soap": optim.SOAP}[name]
+    opt = cls(named, **translate_optimizer_params(name, optimizer["params"]))
+    for step in range(steps):
+        for micro in range(ga):
+            for dp_rank in range(dp):
+                (lm_loss(model, tokens(step, micro, dp_rank)) / (ga * dp)).backward()
+        _, coefficient = clip_coefficient(torch.stack([tensor_sq_norm(p.grad) for _, p in named]), CLIP)
+        if coefficient < 1.0:
+            for _, p in named:
+                p.grad.mul_(coefficient)
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def reference_fed(optimizer: dict, *, steps: int, bf16: bool = False) -> dict[str, torch.Tensor]:
+    """The single-process optimizer on the whole model fed ``full_gradient``, clipped as the runtime clips.
+
+    ``bf16``: what a bf16 engine's fp32 masters see: parameters that start bf16-rounded and
+    gradients rounded to bf16 (the ranks' gradients are bf16; summing two equal ones and halving
+    is exact)."""
+    import ds_canzona.optim as optim
+    from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
+    from ds_canzona.zero.build import translate_optimizer_params
+
+    model = make_qwen3()
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if bf16:
+        for _, p in named:
+            p.data = p.data.bfloat16().float()
+    name = optimizer["type"].lower()
+    cls = {"muon": optim.Muon, "shampoo": optim.Shampoo, "soap": optim.SOAP}[name]
+    opt = cls(named, **translate_optimizer_params(name, optimizer["params"]))
+    for step in range(steps):
+        grads = [full_gradient(step, n, tuple(p.shape)) for n, p in named]
+        if bf16:
+            grads = [g.bfloat16().float() for g in grads]
+        _, coefficient = clip_coefficient(torch.stack([tensor_sq_norm(g) for g in grads]), CLIP)
+        for (_, p), g in zip(named, grads):
+            p.grad = g.mul_(coefficient) if coefficient < 1.0 else g
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def logical_params(results: list[dict], tp: int) -> dict[str, torch.Tensor]:
+    """The logical tensors of TP group 0 (ranks 0..tp-1), concatenated along AutoTP's split dim."""
+    splits = results[0]["splits"]
+    out = {}
+    for name, local in results[0]["params"].items():
+        if splits[name] is None:
+            out[name] = local
+        else:
+            dim, _ = splits[name]
+            out[name] = torch.cat([results[r]["params"][name] for r in range(tp)], dim=dim)
+    return out
+
+
+__all__ = ["logical_params", "reference_fed", "reference_training", "tp_scenarios"]
