@@ -51,7 +51,8 @@ from ds_canzona.config import CANZONA_SECTION, CanzonaConfig, CanzonaConfigError
 from ds_canzona.optim import rule_for_group
 from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
 from ds_canzona.plan import CostModel, DPPlan, MemoryCapError, ParamSpec, StateMemory, memory_model, plan_dp_partitions
-from ds_canzona.zero.comm import CommCounter, all_gather_uneven, all_reduce_sum, reduce_scatter_uneven
+from ds_canzona.zero.comm import (CommCounter, PlanMismatchError, all_gather_uneven, all_reduce_sum,  # noqa: F401
+                                  check_digest_agreement, reduce_scatter_uneven)
 from ds_canzona.zero.compat import at_accumulation_boundary
 
 # Stage 2 reduce-scatters launched and not yet waited on. One is not enough on a busy host: the
@@ -59,10 +60,6 @@ from ds_canzona.zero.compat import at_accumulation_boundary
 # gloo on 2 cores: 1% slower per iteration than DeepSpeed's stage 2 at DP=3); each extra one
 # holds one more bucket of gradients.
 REDUCE_SCATTERS_IN_FLIGHT = 2
-
-
-class PlanMismatchError(RuntimeError):
-    """Ranks computed different plans: different models, configs or library versions."""
 
 
 class GradientAfterReductionError(RuntimeError):
@@ -126,7 +123,7 @@ class OwnedTensor:
     tensor: int = -1
 
 
-def _parameter_kinds(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, dict]:
+def parameter_groups(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, dict]:
     groups: dict[torch.Tensor, dict] = {}
     for group in optimizer.param_groups:
         if "kind" not in group:
@@ -176,7 +173,7 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
 
         # Buffer order is the model's named_parameters() order, restricted to what the
         # optimizer trains: every rank derives the same order from the same model.
-        group_of = _parameter_kinds(optimizer)
+        group_of = parameter_groups(optimizer)
         self.params: list[torch.nn.Parameter] = [p for p in param_names if p in group_of and p.requires_grad]
         unknown = [p for p in group_of if p not in param_names]
         if unknown:
@@ -245,19 +242,7 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
 
     def _check_plan_agreement(self) -> None:
         """Compare the plan's digest across ranks before any other collective."""
-        if self.world_size == 1:
-            return
-        digest = bytes.fromhex(self.plan.digest())
-        mine = torch.tensor(list(digest), dtype=torch.uint8, device=self.device)
-        # The list form: torch deprecates all_gather_into_tensor (a FutureWarning on every start).
-        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(rows, mine, group=self.dp_process_group)
-        rows = [row.cpu() for row in rows]
-        differ = [r for r in range(self.world_size) if not torch.equal(rows[r], rows[0])]
-        if differ:
-            raise PlanMismatchError(
-                f"optimizer plans differ across ranks: ranks {differ} disagree with rank 0 (different models, "
-                "configs or ds_canzona versions)")
+        check_digest_agreement(self.plan.digest(), group=self.dp_process_group, device=self.device)
 
     def plan_summary(self) -> str:
         plan = self.plan

@@ -67,8 +67,10 @@ def _check_stage_and_optimizer(engine) -> None:
         raise CanzonaConfigError(
             "the 'canzona' section replaces DeepSpeed's ZeRO stage 1/2 optimizer, and zero_optimization.stage is 0 "
             f"(no ZeRO): set zero_optimization.stage to 1 or 2, {_REMOVE}")
-    if stage not in (1, 2):
-        raise _refuse(f"zero_optimization.stage {stage}", "use stage 1 or 2 (stage 3 is planned, not built)")
+    if stage not in (1, 2, 3):
+        raise _refuse(f"zero_optimization.stage {stage}", "use stage 1, 2 or 3")
+    if stage == 3:
+        _check_stage3(engine)
     if engine.zero_cpu_offload():
         raise _refuse("zero_optimization.offload_optimizer", "remove it (optimizer state stays on the device)")
     name = engine.optimizer_name()
@@ -80,6 +82,20 @@ def _check_stage_and_optimizer(engine) -> None:
     if engine.client_optimizer is None and name.lower() not in supported:
         raise CanzonaConfigError(f"the 'canzona' section supports optimizer types Muon, Shampoo, SOAP and AdamW, "
                                  f"got optimizer.type {name!r}")
+
+
+def _check_stage3(engine) -> None:
+    """Stage 3 (owner placement): DeepSpeed's parameter layout features that would fight it are refused."""
+    import deepspeed
+
+    from ds_canzona.zero.owner_placement import check_stage3_version
+    check_stage3_version(deepspeed.__version__)
+    offload_param = engine.zero_offload_param()
+    if offload_param is not None and getattr(offload_param, "device", "none") not in (None, "none"):
+        raise _refuse("zero_optimization.offload_param at stage 3",
+                      "remove it (each parameter's shard is the whole tensor on its owner's device)")
+    if hasattr(engine, "super_offload") and engine.super_offload():
+        raise _refuse("zero_optimization.super_offload", "remove it")
 
 
 def _mpu_size(mpu, *methods: str) -> int:
