@@ -222,3 +222,59 @@ def test_unsupported_stage3_features_are_refused_at_init(spawned):
     for name, (_, key) in REFUSED.items():
         for r in results[name]:
             assert "init_error" in r and key in r["init_error"], (name, r)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+SAVE_STEPS, RESUME_STEPS = 3, 2
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from zero3_workers import checkpoint_resume, checkpoint_save
+
+    workdir = tmp_path_factory.mktemp("zero3_ckpt")
+    save_dir, export_dir = str(workdir / "ckpt"), str(workdir / "export")
+    muon = OPTIMIZERS["muon"]
+    saved = run_ranks(checkpoint_save, 4, make_config(4, stage=3, optimizer=muon), save_dir, export_dir, SAVE_STEPS,
+                      timeout=600)
+    resumed = {
+        (stage, ws): run_ranks(checkpoint_resume, ws, make_config(ws, stage=stage, optimizer=muon), save_dir,
+                               SAVE_STEPS, RESUME_STEPS, timeout=600)
+        for stage, ws in ((2, 2), (3, 3))
+    }
+    return saved, resumed, export_dir
+
+
+@pytest.mark.parametrize("stage,world_size", [(2, 2), (3, 3)])
+def test_stage3_checkpoint_loads_at_other_stages_and_sizes_and_training_continues_exactly(
+        checkpoints, one_thread, stage, world_size):
+    """Saved at stage 3 DP=4; loaded at stage 2 DP=2 and stage 3 DP=3. The loaded masters and optimizer
+    state equal the saved ones and the consolidated export (torch.equal), and the next steps equal the
+    single-process optimizer started from the consolidated export and fed the owners' gradients."""
+    from ds_canzona.consolidate import load_consolidated_model, load_consolidated_optimizer
+
+    saved, resumed, export_dir = checkpoints
+    results = resumed[(stage, world_size)]
+    saved_owned = {n: s for r in saved for n, s in r["owned"].items()}
+    loaded_owned = {n: s for r in results for n, s in r["owned"].items()}
+    assert set(loaded_owned) == set(saved_owned)
+    for name, state in saved_owned.items():
+        assert set(loaded_owned[name]) == set(state), name
+        for key, value in state.items():
+            got = loaded_owned[name][key]
+            assert torch.equal(got, value) if torch.is_tensor(value) else got == value, (name, key)
+    assert_params_equal(results[0]["params"], saved[0]["params"])
+    assert results[0]["global_steps"] == SAVE_STEPS
+
+    # The single-process optimizer from the consolidated export, fed the resumed run's gradients.
+    replay = Replay(OPTIMIZERS["muon"], make_model, clip=1.0)
+    exported = load_consolidated_model(export_dir)
+    with torch.no_grad():
+        for name, param in replay.model.named_parameters():
+            param.copy_(exported[name])
+    replay.optimizer.load_state_dict_by_name(load_consolidated_optimizer(export_dir))
+    assert_params_equal(replay.params(), saved[0]["params"])
+    for grads in merged_grads(results):
+        replay.step(grads)
+    assert_params_equal(results[0]["final"], replay.params())

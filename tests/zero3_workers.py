@@ -97,3 +97,54 @@ def _train_run(rank: int, world_size: int, run: dict) -> dict:
     }
     engine.destroy()
     return result
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+def _train_capture(engine, rank: int, world_size: int, first: int, count: int) -> list[dict]:
+    zero = engine.optimizer
+    ga = engine.gradient_accumulation_steps()
+    grads = []
+    for step in range(first, first + count):
+        for micro in range(ga):
+            engine.backward(engine(batches(step, micro, rank, world_size, engine.train_micro_batch_size_per_gpu())))
+            if micro == ga - 1:
+                grads.append({k: v.clone() for k, v in zero.owned_gradients().items()})
+            engine.step()
+    return grads
+
+
+def _owned_snapshot(zero) -> dict:
+    return {t.name: {"master": t.master.detach().clone(),
+                     **{k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in t.state.items()}}
+            for t in zero.owned_tensors()}
+
+
+def _params_any_stage(engine) -> dict[str, torch.Tensor]:
+    if engine.zero_optimization_stage() == 3:
+        return gathered_params(engine)
+    return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def checkpoint_save(rank: int, world_size: int, config: dict, save_dir: str, export_dir: str, steps: int) -> dict:
+    """Train ``steps`` steps at stage 3, save tag 'saved', consolidate it (rank 0)."""
+    import deepspeed.comm as dist
+
+    engine = init_engine(config, model=make_model())
+    _train_capture(engine, rank, world_size, 0, steps)
+    engine.save_checkpoint(save_dir, tag="saved")
+    if rank == 0:
+        from ds_canzona.consolidate import consolidate_checkpoint
+        consolidate_checkpoint(f"{save_dir}/saved", export_dir, optimizer_states=True)
+    dist.barrier()
+    return {"owned": _owned_snapshot(engine.optimizer), "params": _params_any_stage(engine)}
+
+
+def checkpoint_resume(rank: int, world_size: int, config: dict, save_dir: str, first: int, steps: int) -> dict:
+    """A fresh engine (any stage, any DP size) loads tag 'saved' and trains ``steps`` more steps."""
+    engine = init_engine(config, model=make_model(seed=5))  # other initial values: the load must replace them
+    engine.load_checkpoint(save_dir, tag="saved")
+    loaded = {"owned": _owned_snapshot(engine.optimizer), "params": _params_any_stage(engine),
+              "global_steps": engine.global_steps}
+    grads = _train_capture(engine, rank, world_size, first, steps)
+    return {**loaded, "grads": grads, "final": _params_any_stage(engine)}

@@ -237,16 +237,20 @@ class CanzonaZero3Optimizer(ZeROOptimizer):
         else:
             self._accumulated[i].add_(send)
 
-    def _finish_reduction(self) -> None:
-        self._launch_ready(all_remaining=True)
+    def _wait_reductions(self) -> None:
         while self._inflight:
             self._complete_oldest()
-        self._next = len(self.params) - 1
-        self._arrivals = [0] * len(self.params)
 
     def overlapping_partition_gradients_reduce_epilogue(self) -> None:
-        """Engine hook after every backward at stage 3: reduce what is left of this micro-batch."""
-        self._finish_reduction()
+        """Engine hook after every backward at stage 3 (on every rank): reduce what is left of it.
+
+        The only place that launches the rest, so every rank issues one reduce per tensor per
+        backward, whatever gradients it saw.
+        """
+        self._launch_ready(all_remaining=True)
+        self._wait_reductions()
+        self._next = len(self.params) - 1
+        self._arrivals = [0] * len(self.params)
 
     def backward_epilogue(self, **kwargs) -> None:
         release = getattr(self.parameter_offload, "release_backward_leftovers", None)
@@ -268,7 +272,7 @@ class CanzonaZero3Optimizer(ZeROOptimizer):
 
     def owned_gradients(self) -> dict[str, torch.Tensor]:
         """The averaged (unclipped) fp32 gradients of the owned tensors, for tests and tools."""
-        self._finish_reduction()
+        self._wait_reductions()
         return {t.name: self._averaged_grad(t.index) for t in self._owned}
 
     def _averaged_grad(self, i: int) -> torch.Tensor:
@@ -284,7 +288,7 @@ class CanzonaZero3Optimizer(ZeROOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        self._finish_reduction()
+        self._wait_reductions()
         # Nothing stays gathered across the update: the next forward fetches the new values.
         self.parameter_offload.partition_all_parameters()
         grads = [self._averaged_grad(t.index) for t in self._owned]
@@ -315,6 +319,11 @@ class CanzonaZero3Optimizer(ZeROOptimizer):
         self.write_masters_to_shards()
         self.zero_grad()
         return None
+
+    def refresh_params_from_masters(self) -> None:
+        """After masters were written (a checkpoint load): release every fetched copy, update the shards."""
+        self.parameter_offload.partition_all_parameters()
+        self.write_masters_to_shards()
 
     @torch.no_grad()
     def write_masters_to_shards(self) -> None:

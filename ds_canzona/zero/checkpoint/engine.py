@@ -1,6 +1,7 @@
-"""engine.save_checkpoint and engine.load_checkpoint for ds_canzona's ZeRO-1/2 optimizer.
+"""engine.save_checkpoint and engine.load_checkpoint for ds_canzona's ZeRO-1/2 and ZeRO-3 optimizers.
 
-The only part of the checkpoint package that knows :class:`CanzonaZeroOptimizer`: which items a
+The only part of the checkpoint package that knows :class:`CanzonaZeroOptimizer` (and
+:class:`CanzonaZero3Optimizer`, whose items are always whole tensors on their owners): which items a
 rank owns under its plan (its fp32 masters and optimizer state), what the manifest records about
 the engine (counters, lr scheduler, loss scaler, param groups, the module's buffers and frozen
 parameters), and the order of a save (write shards, agree, commit) and of a load (check
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import secrets
 from typing import Any
@@ -76,6 +78,12 @@ def _module_extra(engine, zero, *, exclude_frozen: bool = False) -> tuple[dict[s
             continue
         if exclude_frozen and isinstance(value, torch.nn.Parameter):
             continue
+        if hasattr(value, "ds_id"):
+            # A frozen parameter partitioned by ZeRO-3 (DeepSpeed's even layout): its local value
+            # is an empty placeholder, and gathering it is a collective this code path cannot make.
+            raise CheckpointError(f"frozen parameter {key!r} is partitioned by ZeRO-3; ds_canzona's stage-3 "
+                                  "checkpoints hold trained parameters and buffers only: save with "
+                                  "exclude_frozen_parameters=True and rebuild the frozen weights from their source")
         extra[key] = value
     return extra, aliases
 
@@ -107,7 +115,6 @@ def _build_meta(engine, zero, tag: str, client_state: dict | None, exclude_froze
     group_index = {id(g): i for i, g in enumerate(zero.optimizer.param_groups)}
     extra, aliases = _module_extra(engine, zero, exclude_frozen=exclude_frozen)
     scheduler = getattr(engine, "lr_scheduler", None)
-    plan = zero.plan
     return {
         "format": FORMAT,
         "save_id": None,  # set after the agreement
@@ -116,11 +123,10 @@ def _build_meta(engine, zero, tag: str, client_state: dict | None, exclude_froze
                      "torch": str(torch.__version__)},
         "world_size": zero.world_size,
         "stage": zero.stage,
-        "plan": {"strategy": plan.strategy, "alpha": plan.alpha, "bucket_numel": plan.bucket_numel,
-                 "cost_model": plan.cost_model, "digest": plan.digest()},
+        "plan": _plan_record(zero.plan, zero.stage),
         "param_dtype": str(zero.dtype).removeprefix("torch."),
         "files": [],  # set after the shards are written
-        "tensors": [_item_entry(zero, item, group_index) for item in range(len(plan.specs))],
+        "tensors": [_item_entry(zero, item, group_index) for item in range(len(zero.plan.specs))],
         "param_groups": [_group_settings(g) for g in zero.optimizer.param_groups],
         "loss_scaler": _loss_scaler_state(zero.loss_scaler),
         "engine": {"global_steps": int(engine.global_steps), "global_samples": int(engine.global_samples),
@@ -135,15 +141,35 @@ def _build_meta(engine, zero, tag: str, client_state: dict | None, exclude_froze
     }
 
 
+def _plan_record(plan, stage: int) -> dict[str, Any]:
+    """What the manifest says about the layout it was saved under (informative; any layout loads it)."""
+    if stage == 3:
+        return {"layout": "owner", "cost_model": plan.cost_model, "digest": plan.digest()}
+    return {"strategy": plan.strategy, "alpha": plan.alpha, "bucket_numel": plan.bucket_numel,
+            "cost_model": plan.cost_model, "digest": plan.digest()}
+
+
+def _item_tensor_range(zero, item: int) -> tuple[int, int, int]:
+    """(tensor index, start, stop) of plan item ``item``; at stage 3 every item is a whole tensor."""
+    if zero.stage == 3:
+        return item, 0, zero.plan.specs[item].numel
+    return zero.plan.pieces[item]
+
+
+def _tensor_shapes(zero) -> list[tuple[int, ...]]:
+    """The trained tensors' full shapes (a ZeRO-3 parameter's own shape is an empty placeholder)."""
+    return list(zero.shapes) if zero.stage == 3 else [tuple(p.shape) for p in zero.params]
+
+
 def _item_entry(zero, item: int, group_index: dict[int, int]) -> dict[str, Any]:
     """The manifest entry of plan item ``item``: a whole tensor, or a piece that names its tensor."""
     plan = zero.plan
-    tensor, start, stop = plan.pieces[item]
-    param, group = zero.params[tensor], zero.groups[tensor]
+    tensor, start, stop = _item_tensor_range(zero, item)
+    shape, group = _tensor_shapes(zero)[tensor], zero.groups[tensor]
     entry = {"name": plan.specs[item].name, "shape": list(plan.specs[item].shape), "kind": group["kind"],
              "group": group_index[id(group)], "file": plan.owner[item]}
-    if stop - start != param.numel():
-        entry.update(tensor=zero.names[tensor], start=start, stop=stop, tensor_shape=list(param.shape))
+    if stop - start != math.prod(shape):
+        entry.update(tensor=zero.names[tensor], start=start, stop=stop, tensor_shape=list(shape))
     return entry
 
 
@@ -250,7 +276,7 @@ def _check_owned_reads(ckpt: Checkpoint, owned_tensors: list, with_state: bool, 
         if not _saved_as_is(ckpt, owned):
             # Saved in other pieces (another split_numel, or whole): the items covering its
             # element range must exist, with their shapes and state keys (file headers only).
-            _, start, stop = zero.plan.pieces[owned.index]
+            _, start, stop = _item_tensor_range(zero, owned.index)
             for item in ckpt.covering_items(zero.names[owned.tensor], start, stop):
                 shape = ckpt.master_shape(item["name"])
                 if shape != list(item["shape"]):
@@ -285,7 +311,7 @@ def _copy_owned(ckpt: Checkpoint, owned_tensors: list, with_state: bool, zero) -
             master = ckpt.master(owned.name)
             state = ckpt.state(owned.name) if with_state else {}
         else:
-            _, start, stop = zero.plan.pieces[owned.index]
+            _, start, stop = _item_tensor_range(zero, owned.index)
             master, state = ckpt.read_range(zero.names[owned.tensor], start, stop, owned.master.shape,
                                             with_state=with_state)
         owned.master.copy_(master)
@@ -335,7 +361,7 @@ def load_engine_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bo
         found = resolved is not None
         if found:
             ckpt = Checkpoint(os.path.join(load_dir, resolved), read_meta(os.path.join(load_dir, resolved)))
-            check_same_model(ckpt.meta, {n: list(p.shape) for n, p in zip(zero.names, zero.params)}, ckpt.directory)
+            check_same_model(ckpt.meta, {n: list(s) for n, s in zip(zero.names, _tensor_shapes(zero))}, ckpt.directory)
             if with_state:
                 _check_kinds(ckpt, zero)
             _check_owned_reads(ckpt, zero.owned_tensors(), with_state, zero)
