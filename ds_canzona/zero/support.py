@@ -65,8 +65,8 @@ def _check_stage_and_optimizer(engine) -> None:
     stage = engine.zero_optimization_stage()
     if stage == 0:
         raise CanzonaConfigError(
-            "the 'canzona' section replaces DeepSpeed's ZeRO stage 1/2 optimizer, and zero_optimization.stage is 0 "
-            f"(no ZeRO): set zero_optimization.stage to 1 or 2, {_REMOVE}")
+            "the 'canzona' section replaces DeepSpeed's ZeRO stage 1/2/3 optimizer, and zero_optimization.stage is 0 "
+            f"(no ZeRO): set zero_optimization.stage to 1, 2 or 3, {_REMOVE}")
     if stage not in (1, 2, 3):
         raise _refuse(f"zero_optimization.stage {stage}", "use stage 1, 2 or 3")
     if stage == 3:
