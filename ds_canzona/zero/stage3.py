@@ -53,7 +53,8 @@ from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
 from ds_canzona.plan import CostModel, ParamSpec, Zero3Plan, plan_zero3_owners
 from ds_canzona.zero.comm import CommCounter, all_reduce_sum, check_digest_agreement
 from ds_canzona.zero.owner_placement import OwnerLayout
-from ds_canzona.zero.stage12 import GradientAfterReductionError, OwnedTensor, gradient_reduction, parameter_groups
+from ds_canzona.zero.owned import GradientAfterReductionError, OwnedTensor, parameter_groups
+from ds_canzona.zero.reduction import gradient_reduction
 
 # Reduces launched and not yet waited on during backward; each holds one tensor's gradient.
 REDUCES_IN_FLIGHT = 4
