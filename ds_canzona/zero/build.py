@@ -1,4 +1,4 @@
-"""Building the ds_canzona optimizer and its ZeRO-1/2 runtime from an engine's config."""
+"""Building the ds_canzona optimizer and its ZeRO-1/2 or ZeRO-3 runtime from an engine's config."""
 
 from __future__ import annotations
 

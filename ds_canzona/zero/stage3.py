@@ -276,11 +276,13 @@ class CanzonaZero3Optimizer(ZeROOptimizer):
         self._wait_reductions()
         return {t.name: self._averaged_grad(t.index) for t in self._owned}
 
-    def _averaged_grad(self, i: int) -> torch.Tensor:
+    def _averaged_grad(self, i: int, *, consume: bool = False) -> torch.Tensor:
+        """Tensor i's averaged fp32 gradient; ``consume``: an fp32 accumulator is divided in place
+        (the step's case: it is dropped afterwards, so no second copy of every gradient is made)."""
         accumulated = self._accumulated[i]
         if accumulated is None:
             return torch.zeros(self.shapes[i], dtype=torch.float32, device=self.device)
-        grad = accumulated.to(torch.float32, copy=True).view(self.shapes[i])
+        grad = accumulated.to(torch.float32, copy=not consume).view(self.shapes[i])
         if self.reduction.post_divide != 1.0:
             grad.div_(self.reduction.post_divide)
         if self.loss_scaler.cur_scale != 1.0:
@@ -292,7 +294,7 @@ class CanzonaZero3Optimizer(ZeROOptimizer):
         self._wait_reductions()
         # Nothing stays gathered across the update: the next forward fetches the new values.
         self.parameter_offload.partition_all_parameters()
-        grads = [self._averaged_grad(t.index) for t in self._owned]
+        grads = [self._averaged_grad(t.index, consume=True) for t in self._owned]
 
         # One collective for the overflow check and clipping: each entry is non-zero on its owner
         # only, so the all-reduced vector is exact and its sum the same number on every rank.

@@ -1,6 +1,6 @@
 """What the engine hook accepts from the rest of a DeepSpeed setup, and what it refuses.
 
-ds_canzona replaces DeepSpeed's ZeRO-1/2 optimizer for plain data parallelism. Anything that
+ds_canzona replaces DeepSpeed's ZeRO-1/2/3 optimizer for plain data parallelism. Anything that
 would change which gradients a rank holds (expert, pipeline, tensor or sequence parallelism), that
 DeepSpeed would implement by calling methods this optimizer does not have, or that DeepSpeed's own
 optimizer or checkpoint code would honour and this runtime would silently ignore, is refused here:
