@@ -61,6 +61,8 @@ REFUSED = [
     ("stage 0", {}, {"stage": 0}, {}, "zero_optimization.stage is 0"),
     ("stage 3 parameter offload", {}, {"stage": 3, "offload_param": {"device": "cpu"}}, {},
      "zero_optimization.offload_param"),
+    ("stage 3 memory cap", {"canzona": {"max_state_bytes_per_rank": 10**9}}, {"stage": 3}, {},
+     "canzona.max_state_bytes_per_rank"),
     ("no optimizer", {"optimizer": None}, {}, {}, "needs an optimizer"),
     ("pipeline module", {}, {}, {"model": "pipeline"}, "pipeline parallelism"),
     ("moe layers", {}, {}, {"model": "moe"}, "deepspeed.moe"),

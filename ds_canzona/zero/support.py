@@ -96,6 +96,11 @@ def _check_stage3(engine) -> None:
                       "remove it (each parameter's shard is the whole tensor on its owner's device)")
     if hasattr(engine, "super_offload") and engine.super_offload():
         raise _refuse("zero_optimization.super_offload", "remove it")
+    section = engine._config._param_dict.get("canzona") or {}
+    if section.get("max_state_bytes_per_rank") is not None:
+        raise CanzonaConfigError(
+            "canzona.max_state_bytes_per_rank applies to ZeRO stages 1 and 2 (their bucketed plan); at stage 3 the "
+            "owners are balanced on cost and memory together without a cap: remove the key or use stage 1 or 2")
 
 
 def _mpu_size(mpu, *methods: str) -> int:
