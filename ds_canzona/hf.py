@@ -180,6 +180,10 @@ def training_arguments(config: str | Path | dict[str, Any], **kwargs: Any) -> Tr
     keys), unless ``kwargs`` set it too: then the two must agree. Where the config says ``"auto"``
     the Trainer fills it from ``kwargs`` or its defaults. ``use_cpu`` defaults to ``cpu_only()``, and
     ``check_world_size`` runs on the result.
+
+    At ZeRO stage 3 the Trainer builds the model under ``deepspeed.zero.Init``, whose config counts
+    the ranks through ``deepspeed.comm``; on the CPU accelerate sets up only torch.distributed, so
+    ``deepspeed.comm`` is initialized here (over that process group), or zero.Init would count one rank.
     """
     from transformers import TrainingArguments
 
@@ -187,6 +191,11 @@ def training_arguments(config: str | Path | dict[str, Any], **kwargs: Any) -> Tr
     kwargs.setdefault("use_cpu", cpu_only())
     arguments = TrainingArguments(deepspeed=checked, **kwargs, **trainer_values_from_config(checked, kwargs))
     check_world_size(arguments)
+    if (checked.get("zero_optimization") or {}).get("stage") == 3 and arguments.use_cpu:
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+
+        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     return arguments
 
 

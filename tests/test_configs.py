@@ -30,7 +30,7 @@ CONFIG_DIR = REPO / "ds_configs"
 CONFIG_FILES = sorted(p for p in CONFIG_DIR.iterdir() if p.suffix in (".json", ".hjson"))
 TINY_MODEL = REPO / "examples" / "configs" / "qwen3-tiny.json"
 EXPECTED = {"zero1_muon.hjson", "zero2_muon.hjson", "zero2_muon.json", "zero2_muon_bf16.hjson",
-            "zero2_muon_fp16.hjson", "zero2_shampoo.hjson", "zero2_soap.hjson"}
+            "zero2_muon_fp16.hjson", "zero2_shampoo.hjson", "zero2_soap.hjson", "zero3_muon.hjson"}
 MICRO_BATCH, GRAD_ACCUM, SEQ_LEN = 2, 1, 32
 
 
@@ -107,7 +107,7 @@ def test_config_loads_and_validates(path: Path):
     canzona = parse_canzona_section(config)
     assert canzona is not None, "every shipped config enables ds_canzona"
     ds_config = DeepSpeedConfig(copy.deepcopy(config))
-    assert ds_config.zero_optimization_stage in (1, 2)
+    assert ds_config.zero_optimization_stage in (1, 2, 3)
 
     name = config["optimizer"]["type"].lower()
     classes = {"muon": optim.Muon, "shampoo": optim.Shampoo, "soap": optim.SOAP}

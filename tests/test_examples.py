@@ -1,6 +1,6 @@
 """The example jobs, end to end on two CPU ranks under DeepSpeed's launcher.
 
-- examples/train_qwen3.py, ZeRO stage 1 and 2 with Muon: the loss falls, checkpoints are
+- examples/train_qwen3.py, ZeRO stage 1, 2 and 3 with Muon: the loss falls, checkpoints are
   written, and a run resumed from the middle checkpoint ends with the same losses and the same
   checkpoint tensors as the run that did not stop; wrong inputs end with one line and status 2.
 - examples/hf_trainer.py (HF Trainer + ``import ds_canzona``): the loss falls, checkpoints are
@@ -89,7 +89,7 @@ def assert_same_tensors(a: dict, b: dict) -> None:
 # --------------------------------------------------------------------------- launcher job
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_launcher_trains_saves_and_resumes(stage: int, tmp_path: Path):
     config = str(REPO / "ds_configs" / f"zero{stage}_muon.hjson")
     full = tmp_path / "full"
@@ -97,6 +97,8 @@ def test_launcher_trains_saves_and_resumes(stage: int, tmp_path: Path):
                     "--save-every", "3", "--no-progress")
     final, start = final_losses(output)
     assert final < start - 0.5, output[-3000:]
+    # The plan summary (log_plan) shows which runtime trained: owner placement at stage 3.
+    assert ("ds_canzona ZeRO-3 owner plan" in output) == (stage == 3), output[-3000:]
     assert (full / "step3").is_dir() and (full / "step6").is_dir()
     assert (full / "latest").read_text().strip() == "step6"
 

@@ -226,3 +226,52 @@ def test_trainer_on_cpu_ranks_plain_script_refused_documented_hjson_way_trains(t
         stepped_early = [w for w in result["warnings"] if "lr_scheduler.step()" in w]
         assert not stepped_early, stepped_early
     assert results[0]["losses"] == results[1]["losses"], "the logged loss is the mean over ranks"
+
+
+def trainer_at_stage3(rank: int, world_size: int, outdir: str) -> dict:
+    """The documented Trainer way with ds_configs/zero3_muon.hjson; the model built as the Trainer's
+    users build it, with ``from_config`` after the TrainingArguments, i.e. under ``zero.Init``."""
+    import torch
+    import ds_canzona  # noqa: F401
+    from transformers import AutoModelForCausalLM, Qwen3Config, Trainer
+
+    from ds_canzona.data_utils import BlockDataset, load_corpus, token_blocks
+    from ds_canzona.hf import training_arguments
+
+    arguments = training_arguments(CONFIG_DIR / "zero3_muon.hjson", output_dir=f"{outdir}/zero3", max_steps=3,
+                                   report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1,
+                                   lr_scheduler_type="constant")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen3Config(**json.loads(TINY_MODEL.read_text())))
+    built_under_zero_init = all(hasattr(p, "ds_id") and p.numel() == 0 for p in model.parameters())
+    dataset = BlockDataset(token_blocks(load_corpus(), 32)[:64])
+    trainer = Trainer(model=model, args=arguments, train_dataset=dataset)
+    trainer.train()
+    engine = trainer.model_wrapped
+    zero = engine.optimizer
+    return {
+        "built_under_zero_init": built_under_zero_init,
+        "optimizer": type(zero).__module__,
+        "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
+        "steps": trainer.state.global_step,
+        "kinds": {name: group["kind"] for name, group in zip(zero.names, zero.groups)},
+        "owned": [t.name for t in zero.owned_tensors()],
+    }
+
+
+def test_trainer_at_stage3_builds_the_model_under_zero_init_and_trains_with_owner_placement(tmp_path: Path):
+    import math
+
+    results = run_ranks(trainer_at_stage3, 2, str(tmp_path), timeout=300)
+    for result in results:
+        assert result["built_under_zero_init"], "the Trainer's from_config builds under zero.Init at stage 3"
+        assert result["optimizer"] == "ds_canzona.zero.stage3"
+        assert result["steps"] == 3 and len(result["losses"]) == 3
+        assert all(math.isfinite(x) for x in result["losses"])
+        kinds = result["kinds"]
+        # ds_shape, not the empty local placeholder, decides the kind (DeepSpeed #8438).
+        assert kinds["model.layers.0.mlp.up_proj.weight"] == "muon"
+        assert kinds["model.embed_tokens.weight"] == "adamw" and kinds["model.norm.weight"] == "adamw"
+    assert results[0]["losses"] == results[1]["losses"], "the logged loss is the mean over ranks"
+    owned = [set(r["owned"]) for r in results]
+    assert not owned[0] & owned[1] and owned[0] | owned[1] == set(results[0]["kinds"]), "each tensor one owner"

@@ -59,7 +59,10 @@ def _pipeline_model():
 #  what the message must contain)
 REFUSED = [
     ("stage 0", {}, {"stage": 0}, {}, "zero_optimization.stage is 0"),
-    ("stage 3", {}, {"stage": 3}, {}, "stage 3"),
+    ("stage 3 parameter offload", {}, {"stage": 3, "offload_param": {"device": "cpu"}}, {},
+     "zero_optimization.offload_param"),
+    ("stage 3 memory cap", {"canzona": {"max_state_bytes_per_rank": 10**9}}, {"stage": 3}, {},
+     "canzona.max_state_bytes_per_rank"),
     ("no optimizer", {"optimizer": None}, {}, {}, "needs an optimizer"),
     ("pipeline module", {}, {}, {"model": "pipeline"}, "pipeline parallelism"),
     ("moe layers", {}, {}, {"model": "moe"}, "deepspeed.moe"),
@@ -159,7 +162,7 @@ def test_refusals_are_one_clear_error_naming_the_key():
             problems.append(f"{label}: {kind}: {message}")
     assert not problems, "\n".join(problems)
     stage0 = outcomes[0][1]
-    assert "stage 3" not in stage0 and "set zero_optimization.stage to 1 or 2" in stage0
+    assert "set zero_optimization.stage to 1, 2 or 3" in stage0
 
 
 def _mesh_outcome(rank, world_size):

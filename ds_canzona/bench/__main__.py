@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "step": ("ds_canzona.bench.step:STEP", "real training steps on gloo ranks against DeepSpeed's Muon"),
     "tp-step": ("ds_canzona.bench.tp_step:TP_STEP", "optimizer steps under AutoTP: micro-groups vs synchronous vs DeepSpeed"),
     "makespan": ("ds_canzona.bench.makespan:MAKESPAN", "optimizer-step makespan at DP 16-128, real per-tensor compute"),
+    "zero3-memory": ("ds_canzona.bench.memory3:ZERO3_MEMORY", "memory per rank at ZeRO-3 vs DeepSpeed's ZeRO-3 Muon"),
     "calibrate": ("ds_canzona.bench.calibrate:CALIBRATE", "measure this device's machine balance for the roofline cost"),
 }
 

@@ -41,6 +41,16 @@ def is_matrix(name: str, shape: Sequence[int]) -> bool:
     return default_matrix_rule(name, shape)
 
 
+def logical_shape(tensor) -> tuple[int, ...]:
+    """The shape a parameter stands for: ``ds_shape`` under DeepSpeed's ZeRO-3, else its own.
+
+    A parameter partitioned by ``deepspeed.zero.Init`` is an empty 1-D placeholder between
+    uses and carries its full shape as ``ds_shape``; judging it by ``shape`` would make every
+    matrix 1-D and send it to AdamW (DeepSpeed #8438). Duck-typed: no DeepSpeed import here.
+    """
+    return tuple(getattr(tensor, "ds_shape", tensor.shape))
+
+
 @runtime_checkable
 class TensorRule(Protocol):
     """The per-tensor math of one optimizer kind, configured by one param group."""

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ds_canzona.optim.base import is_matrix, rule_class, rule_for_group, state_dtype
+from ds_canzona.optim.base import is_matrix, logical_shape, rule_class, rule_for_group, state_dtype
 
 # DeepSpeed's Muon gives its auxiliary Adam this lr when the config sets none.
 DEEPSPEED_AUX_ADAM_LR = 3e-4
@@ -86,9 +86,9 @@ class RuleOptimizer(torch.optim.Optimizer):
             rule = rule_for_group({**hyper, "kind": kind_})  # a bad value is an error here, not at the first step
             for item_name, tensor in kind_items:
                 try:
-                    rule.check_shape(tuple(tensor.shape))
+                    rule.check_shape(logical_shape(tensor))
                 except ValueError as error:
-                    raise ValueError(f"A {kind_!r} group holds a tensor of shape {tuple(tensor.shape)}"
+                    raise ValueError(f"A {kind_!r} group holds a tensor of shape {logical_shape(tensor)}"
                                      f"{f' ({item_name})' if item_name else ''}: {error}") from None
             named = all(item_name is not None for item_name, _ in kind_items)
             params: list[Any] = list(kind_items) if named else [tensor for _, tensor in kind_items]
@@ -98,7 +98,7 @@ class RuleOptimizer(torch.optim.Optimizer):
             super().add_param_group(new_group)
 
     def _kind_of(self, name: str | None, tensor: Tensor) -> str:
-        if self.matrix_kind is not None and is_matrix(name or "", tuple(tensor.shape)):
+        if self.matrix_kind is not None and is_matrix(name or "", logical_shape(tensor)):
             return self.matrix_kind
         return "adamw"
 

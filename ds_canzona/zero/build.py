@@ -1,4 +1,4 @@
-"""Building the ds_canzona optimizer and its ZeRO-1/2 runtime from an engine's config."""
+"""Building the ds_canzona optimizer and its ZeRO-1/2 or ZeRO-3 runtime from an engine's config."""
 
 from __future__ import annotations
 
@@ -284,6 +284,8 @@ def build_canzona_optimizer(engine, client_optimizer, model_parameters=None):
     if hasattr(kernels, "set_backend"):
         kernels.set_backend(config.kernels)
 
+    if engine.zero_optimization_stage() == 3:
+        return basic, _build_stage3(engine, basic, numerics)
     bucket_numel = config.bucket_numel or int(engine.zero_reduce_bucket_size())
     runtime, tensor_parallel = CanzonaZeroOptimizer, {}
     if (engine.autotp_size() or 0) > 1:  # AutoTP: the micro-group pipeline (ds_canzona/zero/tp.py)
@@ -307,5 +309,45 @@ def build_canzona_optimizer(engine, client_optimizer, model_parameters=None):
     return basic, zero
 
 
+def zero3_offload_kwargs(engine) -> dict[str, Any]:
+    """DeepSpeedZeRoOffload's keyword arguments (all but the module and the group), as DeepSpeed's stage 3 builds them."""
+    from deepspeed.utils.timer import NoopTimer
+
+    kwargs = {
+        "timers": engine.timers if engine.wall_clock_breakdown() else NoopTimer(),
+        "ds_config": engine.config,
+        "overlap_comm": engine.zero_overlap_comm(),
+        "prefetch_bucket_size": engine.zero_prefetch_bucket_size(),
+        "max_reuse_distance": engine.zero_max_reuse_distance(),
+        "max_live_parameters": engine.zero_max_live_parameters(),
+        "param_persistence_threshold": engine.zero_param_persistence_threshold(),
+        "model_persistence_threshold": engine.zero_model_persistence_threshold(),
+        "offload_param_config": None,  # refused in support.py
+        "mpu": engine.mpu,
+        "zero_module_granularity_threshold": engine.zero_module_granularity_threshold(),
+    }
+    if hasattr(engine, "zero_log_trace_cache_warnings"):
+        kwargs["log_trace_cache_warnings"] = engine.zero_log_trace_cache_warnings()
+    return kwargs
+
+
+def _build_stage3(engine, basic, numerics: dict[str, Any]):
+    from ds_canzona.zero.stage3 import CanzonaZero3Optimizer
+
+    return CanzonaZero3Optimizer(
+        basic,
+        module=engine.module,
+        param_names=engine.param_names,
+        config=engine._canzona_config,
+        dp_process_group=engine.seq_data_parallel_group,
+        clip_grad=engine.gradient_clipping(),
+        offload_kwargs=zero3_offload_kwargs(engine),
+        static_loss_scale=engine.loss_scale(),
+        dynamic_loss_scale=engine.dynamic_loss_scale(),
+        dynamic_loss_args=engine.dynamic_loss_scale_args(),
+        **numerics,
+    )
+
+
 __all__ = ["PerGroupCost", "build_canzona_optimizer", "gradient_numerics", "plan_cost_model", "named_parameter_groups",
-           "optimizer_from_config", "translate_group_keys", "translate_optimizer_params", "MATRIX_OPTIMIZERS"]
+           "optimizer_from_config", "translate_group_keys", "translate_optimizer_params", "zero3_offload_kwargs", "MATRIX_OPTIMIZERS"]

@@ -78,3 +78,26 @@ def _broadcast_segments(flat: torch.Tensor, cuts: tuple[int, ...], sizes: list[i
 def all_reduce_sum(tensor: torch.Tensor, *, group, counter: CommCounter, kind: str) -> None:
     counter.add(kind, tensor.numel() * tensor.element_size())
     dist.all_reduce(tensor, group=group)
+
+
+class PlanMismatchError(RuntimeError):
+    """Ranks computed different plans: different models, configs or library versions."""
+
+
+def check_digest_agreement(digest_hex: str, *, group, device) -> None:
+    """All-gather a plan's digest and raise ``PlanMismatchError`` unless every rank has the same one.
+
+    Runs before any other collective of ours, so ranks that planned differently stop here.
+    """
+    world_size = dist.get_world_size(group=group)
+    if world_size == 1:
+        return
+    mine = torch.tensor(list(bytes.fromhex(digest_hex)), dtype=torch.uint8, device=device)
+    # The list form: torch deprecates all_gather_into_tensor (a FutureWarning on every start).
+    rows = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(rows, mine, group=group)
+    rows = [row.cpu() for row in rows]
+    differ = [r for r in range(world_size) if not torch.equal(rows[r], rows[0])]
+    if differ:
+        raise PlanMismatchError(f"optimizer plans differ across ranks: ranks {differ} disagree with rank 0 (different "
+                                "models, configs or ds_canzona versions)")

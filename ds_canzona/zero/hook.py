@@ -9,7 +9,9 @@ an enabled ``canzona`` section:
   engine does with the config, before any buffer exists;
 - ``_is_supported_optimizer``: lets "Shampoo"/"SOAP" pass DeepSpeed's name check;
 - ``_configure_optimizer``: refuses MoE models, then builds the ds_canzona optimizer and its
-  ZeRO-1/2 runtime, and sets the engine attributes the original sets for later engine methods;
+  ZeRO-1/2 runtime (or the ZeRO-3 owner-placement runtime, ``ds_canzona.zero.stage3``, whose
+  per-parameter patches of DeepSpeed's ZeRO-3 are listed in ``ds_canzona.zero.owner_placement``),
+  and sets the engine attributes the original sets for later engine methods;
 - ``save_checkpoint`` / ``load_checkpoint``: ds_canzona's per-tensor checkpoint format.
 
 Checked against DeepSpeed 0.19.0-0.19.8 (``SUPPORTED_DEEPSPEED_VERSIONS``; ``scripts/compat.sh``

@@ -38,8 +38,6 @@ math.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 import deepspeed.comm as dist
@@ -51,91 +49,19 @@ from ds_canzona.config import CANZONA_SECTION, CanzonaConfig, CanzonaConfigError
 from ds_canzona.optim import rule_for_group
 from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
 from ds_canzona.plan import CostModel, DPPlan, MemoryCapError, ParamSpec, StateMemory, memory_model, plan_dp_partitions
-from ds_canzona.zero.comm import CommCounter, all_gather_uneven, all_reduce_sum, reduce_scatter_uneven
+from ds_canzona.zero.comm import (CommCounter, PlanMismatchError, all_gather_uneven, all_reduce_sum,  # noqa: F401
+                                  check_digest_agreement, reduce_scatter_uneven)
 from ds_canzona.zero.compat import at_accumulation_boundary
 from ds_canzona.zero.layout import BufferLayout
+# Shared with the ZeRO-3 runtime; these names stay importable from here.
+from ds_canzona.zero.owned import GradientAfterReductionError, OwnedTensor, parameter_groups  # noqa: F401
+from ds_canzona.zero.reduction import GradientReduction, gradient_reduction  # noqa: F401
 
 # Stage 2 reduce-scatters launched and not yet waited on. One is not enough on a busy host: the
 # next bucket's gradients then wait inside backward for the previous collective (measured with
 # gloo on 2 cores: 1% slower per iteration than DeepSpeed's stage 2 at DP=3); each extra one
 # holds one more bucket of gradients.
 REDUCE_SCATTERS_IN_FLIGHT = 2
-
-
-class PlanMismatchError(RuntimeError):
-    """Ranks computed different plans: different models, configs or library versions."""
-
-
-class GradientAfterReductionError(RuntimeError):
-    """A gradient arrived for a bucket that was already reduce-scattered this step (it would be lost)."""
-
-
-@dataclass(frozen=True)
-class GradientReduction:
-    """How gradients are accumulated, summed over ranks and averaged (DeepSpeed's numerics keys).
-
-    ``accumulate_dtype`` is the flat gradient buffers' dtype (``data_types.grad_accum_dtype``),
-    ``communicate_dtype`` the reduce-scatter's (``communication_data_type``); each rank's buffer is
-    divided by ``pre_divide`` in the communication dtype before the sum, and the sum by
-    ``post_divide`` in fp32 after it (``prescale_gradients``, ``gradient_predivide_factor``).
-    """
-
-    accumulate_dtype: torch.dtype
-    communicate_dtype: torch.dtype
-    pre_divide: float
-    post_divide: float
-
-
-def gradient_reduction(*, param_dtype: torch.dtype, world_size: int, grad_accum_dtype: torch.dtype | None = None,
-                       communication_dtype: torch.dtype | None = None, gradient_average: bool = True,
-                       postscale_gradients: bool = True, gradient_predivide_factor: float = 1.0) -> GradientReduction:
-    """The reduction DeepSpeed 0.19.8's ZeRO-1/2 configures from the same keys.
-
-    Unset dtypes are the parameter dtype (DeepSpeed's defaults: ``get_data_types`` and
-    ``communication_data_type``). Averaging follows ``gradient_reduction_w_predivide``: with
-    ``prescale_gradients`` every rank divides by the world size before the sum; otherwise by
-    ``gradient_predivide_factor`` before and by ``world_size / factor`` after; a summing
-    ``gradient_allreduce_op`` (``gradient_average`` false) divides by nothing.
-    """
-    accumulate = grad_accum_dtype or param_dtype
-    if accumulate not in (param_dtype, torch.float32):
-        raise ValueError(f"gradients accumulate in the parameter dtype or in fp32, got {accumulate} for "
-                         f"{param_dtype} parameters")
-    if not gradient_average:
-        pre, post = 1.0, 1.0
-    elif not postscale_gradients:
-        pre, post = float(world_size), 1.0
-    else:
-        pre, post = float(gradient_predivide_factor), world_size / float(gradient_predivide_factor)
-    return GradientReduction(accumulate_dtype=accumulate, communicate_dtype=communication_dtype or param_dtype,
-                             pre_divide=pre, post_divide=post)
-
-
-@dataclass
-class OwnedTensor:
-    """What the owner rank keeps for one item (a whole tensor, or a piece of a non-matrix one).
-
-    ``index`` is the item's index in the plan, ``tensor`` its tensor's index in ``params``;
-    ``name`` is the tensor's name for a whole tensor, ``name[start:stop]`` for a piece.
-    """
-
-    index: int
-    name: str
-    master: torch.Tensor
-    state: dict
-    group: dict
-    tensor: int = -1
-
-
-def _parameter_kinds(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, dict]:
-    groups: dict[torch.Tensor, dict] = {}
-    for group in optimizer.param_groups:
-        if "kind" not in group:
-            raise ValueError("ds_canzona's ZeRO optimizer needs param groups with a 'kind' "
-                             "(use ds_canzona.optim.Muon, Shampoo, SOAP or AdamW)")
-        for p in group["params"]:
-            groups[p] = group
-    return groups
 
 
 class CanzonaZeroOptimizer(ZeROOptimizer):
@@ -179,7 +105,7 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
 
         # Buffer order is the model's named_parameters() order, restricted to what the
         # optimizer trains: every rank derives the same order from the same model.
-        group_of = _parameter_kinds(optimizer)
+        group_of = parameter_groups(optimizer)
         self.params: list[torch.nn.Parameter] = [p for p in param_names if p in group_of and p.requires_grad]
         unknown = [p for p in group_of if p not in param_names]
         if unknown:
@@ -258,19 +184,7 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
 
     def _check_plan_agreement(self) -> None:
         """Compare the plan's digest across ranks before any other collective."""
-        if self.world_size == 1:
-            return
-        digest = bytes.fromhex(self.plan.digest())
-        mine = torch.tensor(list(digest), dtype=torch.uint8, device=self.device)
-        # The list form: torch deprecates all_gather_into_tensor (a FutureWarning on every start).
-        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(rows, mine, group=self.dp_process_group)
-        rows = [row.cpu() for row in rows]
-        differ = [r for r in range(self.world_size) if not torch.equal(rows[r], rows[0])]
-        if differ:
-            raise PlanMismatchError(
-                f"optimizer plans differ across ranks: ranks {differ} disagree with rank 0 (different models, "
-                "configs or ds_canzona versions)")
+        check_digest_agreement(self.plan.digest(), group=self.dp_process_group, device=self.device)
 
     def plan_summary(self) -> str:
         plan = self.plan

@@ -1,8 +1,9 @@
 """What the engine hook accepts from the rest of a DeepSpeed setup, and what it refuses.
 
-ds_canzona replaces DeepSpeed's ZeRO-1/2 optimizer for data parallelism, and for DeepSpeed AutoTP
-tensor parallelism along with it (``ds_canzona.zero.tp``). Anything else that would change which
-gradients a rank holds (expert, pipeline or sequence parallelism, a tensor-parallel ``mpu``), that
+ds_canzona replaces DeepSpeed's ZeRO-1/2/3 optimizer for data parallelism, and at stages 1 and 2
+for DeepSpeed AutoTP tensor parallelism along with it (``ds_canzona.zero.tp``). Anything else that
+would change which gradients a rank holds (expert, pipeline or sequence parallelism, a
+tensor-parallel ``mpu``, AutoTP at stage 3), that
 DeepSpeed would implement by calling methods this optimizer does not have, or that DeepSpeed's own
 optimizer or checkpoint code would honour and this runtime would silently ignore, is refused here:
 one ``CanzonaConfigError`` naming the key or feature and saying what to do, raised inside
@@ -66,10 +67,12 @@ def _check_stage_and_optimizer(engine) -> None:
     stage = engine.zero_optimization_stage()
     if stage == 0:
         raise CanzonaConfigError(
-            "the 'canzona' section replaces DeepSpeed's ZeRO stage 1/2 optimizer, and zero_optimization.stage is 0 "
-            f"(no ZeRO): set zero_optimization.stage to 1 or 2, {_REMOVE}")
-    if stage not in (1, 2):
-        raise _refuse(f"zero_optimization.stage {stage}", "use stage 1 or 2 (stage 3 is planned, not built)")
+            "the 'canzona' section replaces DeepSpeed's ZeRO stage 1/2/3 optimizer, and zero_optimization.stage is 0 "
+            f"(no ZeRO): set zero_optimization.stage to 1, 2 or 3, {_REMOVE}")
+    if stage not in (1, 2, 3):
+        raise _refuse(f"zero_optimization.stage {stage}", "use stage 1, 2 or 3")
+    if stage == 3:
+        _check_stage3(engine)
     if engine.zero_cpu_offload():
         raise _refuse("zero_optimization.offload_optimizer", "remove it (optimizer state stays on the device)")
     name = engine.optimizer_name()
@@ -81,6 +84,26 @@ def _check_stage_and_optimizer(engine) -> None:
     if engine.client_optimizer is None and name.lower() not in supported:
         raise CanzonaConfigError(f"the 'canzona' section supports optimizer types Muon, Shampoo, SOAP and AdamW, "
                                  f"got optimizer.type {name!r}")
+
+
+def _check_stage3(engine) -> None:
+    """Stage 3 (owner placement): DeepSpeed's parameter layout features that would fight it are refused."""
+    import deepspeed
+
+    from ds_canzona.zero.owner_placement import check_stage3_version
+    offload_param = engine.zero_offload_param()
+    if offload_param is not None and getattr(offload_param, "device", "none") not in (None, "none"):
+        raise _refuse("zero_optimization.offload_param at stage 3",
+                      "remove it (each parameter's shard is the whole tensor on its owner's device)")
+    if hasattr(engine, "super_offload") and engine.super_offload():
+        raise _refuse("zero_optimization.super_offload", "remove it")
+    section = engine._config._param_dict.get("canzona") or {}
+    if section.get("max_state_bytes_per_rank") is not None:
+        raise CanzonaConfigError(
+            "canzona.max_state_bytes_per_rank applies to ZeRO stages 1 and 2 (their bucketed plan); at stage 3 the "
+            "owners are balanced on cost and memory together without a cap: remove the key or use stage 1 or 2")
+    # Last, so the refusals above read the same on every release (scripts/compat.sh runs them).
+    check_stage3_version(deepspeed.__version__)
 
 
 def _mpu_size(mpu, *methods: str) -> int:

@@ -1,6 +1,7 @@
-"""engine.save_checkpoint and engine.load_checkpoint for ds_canzona's ZeRO-1/2 optimizer.
+"""engine.save_checkpoint and engine.load_checkpoint for ds_canzona's ZeRO-1/2 and ZeRO-3 optimizers.
 
-The only part of the checkpoint package that knows :class:`CanzonaZeroOptimizer`: which items a
+The only part of the checkpoint package that knows :class:`CanzonaZeroOptimizer` (and
+:class:`CanzonaZero3Optimizer`, whose items are always whole tensors on their owners): which items a
 rank owns under its plan (its fp32 masters and optimizer state), what the manifest records about
 the engine (counters, lr scheduler, loss scaler, param groups, the module's buffers and frozen
 parameters), and the order of a save (write shards, agree, commit) and of a load (check
@@ -79,6 +80,12 @@ def _module_extra(engine, zero, *, exclude_frozen: bool = False) -> tuple[dict[s
             continue
         if exclude_frozen and isinstance(value, torch.nn.Parameter):
             continue
+        if hasattr(value, "ds_id"):
+            # A frozen parameter partitioned by ZeRO-3 (DeepSpeed's even layout): its local value
+            # is an empty placeholder, and gathering it is a collective this code path cannot make.
+            raise CheckpointError(f"frozen parameter {key!r} is partitioned by ZeRO-3; ds_canzona's stage-3 "
+                                  "checkpoints hold trained parameters and buffers only: save with "
+                                  "exclude_frozen_parameters=True and rebuild the frozen weights from their source")
         extra[key] = value
     return extra, aliases
 
@@ -110,7 +117,6 @@ def _build_meta(engine, zero, tag: str, client_state: dict | None, exclude_froze
     group_index = {id(g): i for i, g in enumerate(zero.optimizer.param_groups)}
     extra, aliases = _module_extra(engine, zero, exclude_frozen=exclude_frozen)
     scheduler = getattr(engine, "lr_scheduler", None)
-    plan = zero.plan
     return {
         "format": FORMAT,
         "save_id": None,  # set after the agreement
@@ -119,11 +125,10 @@ def _build_meta(engine, zero, tag: str, client_state: dict | None, exclude_froze
                      "torch": str(torch.__version__)},
         "world_size": zero.world_size,
         "stage": zero.stage,
-        "plan": {"strategy": plan.strategy, "alpha": plan.alpha, "bucket_numel": plan.bucket_numel,
-                 "cost_model": plan.cost_model, "digest": plan.digest()},
+        "plan": _plan_record(zero.plan, zero.stage),
         "param_dtype": str(zero.dtype).removeprefix("torch."),
         "files": [],  # set after the shards are written
-        "tensors": [_item_entry(zero, item, group_index) for item in range(len(plan.specs))],
+        "tensors": [_item_entry(zero, item, group_index) for item in range(len(zero.plan.specs))],
         "param_groups": [_group_settings(g) for g in zero.optimizer.param_groups],
         "loss_scaler": _loss_scaler_state(zero.loss_scaler),
         "engine": {"global_steps": int(engine.global_steps), "global_samples": int(engine.global_samples),
@@ -138,12 +143,28 @@ def _build_meta(engine, zero, tag: str, client_state: dict | None, exclude_froze
     }
 
 
+def _plan_record(plan, stage: int) -> dict[str, Any]:
+    """What the manifest says about the layout it was saved under (informative; any layout loads it)."""
+    if stage == 3:
+        return {"layout": "owner", "cost_model": plan.cost_model, "digest": plan.digest()}
+    return {"strategy": plan.strategy, "alpha": plan.alpha, "bucket_numel": plan.bucket_numel,
+            "cost_model": plan.cost_model, "digest": plan.digest()}
+
+
+def _item_tensor_range(zero, item: int) -> tuple[int, int, int]:
+    """(tensor index, start, stop) of plan item ``item``; at stage 3 every item is a whole tensor."""
+    if zero.stage == 3:
+        return item, 0, zero.plan.specs[item].numel
+    return zero.plan.pieces[item]
+
+
 def _item_entry(zero, item: int, group_index: dict[int, int]) -> dict[str, Any]:
     """The manifest entry of plan item ``item``: a whole tensor, or a piece that names its tensor."""
     plan = zero.plan
-    tensor, start, stop = plan.pieces[item]
+    tensor, start, stop = _item_tensor_range(zero, item)
     group = zero.groups[tensor]
-    shape = zero.logical_shapes[tensor]  # the parameter's shape; under AutoTP its unsharded one
+    # The tensor's logical shape: under AutoTP its unsharded one, under ZeRO-3 its ds_shape.
+    shape = zero.logical_shapes[tensor]
     entry = {"name": plan.specs[item].name, "shape": list(plan.specs[item].shape), "kind": group["kind"],
              "group": group_index[id(group)], "file": zero.item_file(item)}
     if stop - start != math.prod(shape):
@@ -254,7 +275,7 @@ def _check_owned_reads(ckpt: Checkpoint, owned_tensors: list, with_state: bool, 
         if not _saved_as_is(ckpt, owned):
             # Saved in other pieces (another split_numel, or whole): the items covering its
             # element range must exist, with their shapes and state keys (file headers only).
-            _, start, stop = zero.plan.pieces[owned.index]
+            _, start, stop = _item_tensor_range(zero, owned.index)
             for item in ckpt.covering_items(zero.names[owned.tensor], start, stop):
                 shape = ckpt.master_shape(item["name"])
                 if shape != list(item["shape"]):
@@ -289,7 +310,7 @@ def _copy_owned(ckpt: Checkpoint, owned_tensors: list, with_state: bool, zero) -
             master = ckpt.master(owned.name)
             state = ckpt.state(owned.name) if with_state else {}
         else:
-            _, start, stop = zero.plan.pieces[owned.index]
+            _, start, stop = _item_tensor_range(zero, owned.index)
             master, state = ckpt.read_range(zero.names[owned.tensor], start, stop, owned.master.shape,
                                             with_state=with_state)
         owned.master.copy_(master)

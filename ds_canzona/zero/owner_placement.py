@@ -1,0 +1,237 @@
+"""Owner placement of ZeRO-3 parameters (MatrixFSDP): each tensor's shard is the whole tensor on one rank.
+
+DeepSpeed's ZeRO-3 (``deepspeed.zero.Init``, ``DeepSpeedZeRoOffload`` and its parameter
+coordinator) keeps, per parameter, a partition ``param.ds_tensor`` (an equal, padded slice per
+rank), frees ``param.data`` between uses, and fetches it before a module runs by calling the
+parameter's own closures. Those closures are attributes that ``Init._convert_to_deepspeed_param``
+sets on every parameter, so the layout can be changed per parameter without touching a class:
+
+- ``all_gather_coalesced(params, safe_mode=False, quantize=False)`` (the coordinator's fetch and
+  prefetch) and ``all_gather(param_list=None, async_op=False, hierarchy=0)`` (``GatheredParameters``,
+  ``param.item()``): replaced on every ZeRO-3 parameter of the module by a router that fetches
+  owner-placed parameters by one broadcast each from their owner, straight into the full
+  buffer (the owner's buffer *is* its shard, no copy), and hands the rest to DeepSpeed's
+  original closure of the same parameter;
+- ``partition(param_list=None, hierarchy=0, has_been_updated=False, free_data=True)`` (the
+  coordinator's release, ``GatheredParameters`` on exit): an owner-placed parameter frees its
+  full buffer on the other ranks; with ``has_been_updated`` (weights written inside
+  ``GatheredParameters(modifier_rank=...)``, e.g. a checkpoint load) the owner keeps the new values;
+- ``partition_numel``, ``padding_size``, ``aligned_size``: the sizes of the owner layout (no
+  padding; ``partition_numel`` is the whole tensor's, on every rank: DeepSpeed 0.19.8's coordinator
+  reads it only to decide whether a module has anything to fetch and to count what it waited for).
+
+Nothing else of DeepSpeed's ZeRO-3 changes: the coordinator's trace, prefetch, release, the
+module hooks, ``zero.Init`` itself. The closures' names and signatures were checked against
+DeepSpeed 0.19.0-0.19.8 (``partition_parameters.py``); ``ds_canzona.zero.stage3`` refuses any
+other version.
+
+A parameter is converted once, at engine start: DeepSpeed's own fetch gathers its even layout,
+the owner keeps the whole tensor as its new ``ds_tensor`` and every other rank an empty one.
+Owner-placed parameters are never persistent (``ds_persist`` false): a persistent copy on every
+rank would need a broadcast after each step, which this layout removes from the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+import deepspeed.comm as dist
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, free_param
+
+from ds_canzona.zero.comm import CommCounter
+
+# On an owner-placed parameter: its owner's rank in the data-parallel group.
+OWNER_ATTR = "ds_canzona_owner"
+# DeepSpeed's original closures, kept on each parameter the router was installed on.
+_ORIGINAL_ATTR = "ds_canzona_even_layout"
+# The closures DeepSpeed 0.19.x sets in Init._convert_to_deepspeed_param that this module replaces.
+PATCHED_PARAM_CLOSURES = ("all_gather", "all_gather_coalesced", "partition", "partition_numel", "padding_size",
+                          "aligned_size")
+
+
+# The releases whose ZeRO-3 closures, DeepSpeedZeRoOffload and coordinator this module and
+# ds_canzona.zero.stage3 were read against and tested with (docs/NOTES.md).
+STAGE3_DEEPSPEED_VERSIONS = ("0.19.8",)
+
+
+def check_stage3_version(version: str) -> None:
+    """Refuse stage 3 on a DeepSpeed release the owner layout was not checked against."""
+    import re
+
+    from ds_canzona.config import CanzonaConfigError
+
+    release = re.match(r"\d+\.\d+\.\d+", version)
+    if release is None or release.group(0) not in STAGE3_DEEPSPEED_VERSIONS:
+        raise CanzonaConfigError(
+            f"zero_optimization.stage 3 with the 'canzona' section needs DeepSpeed {', '.join(STAGE3_DEEPSPEED_VERSIONS)} "
+            f"(the ZeRO-3 internals it patches were checked there), found {version}: install "
+            f"deepspeed=={STAGE3_DEEPSPEED_VERSIONS[-1]}, or use stage 1 or 2")
+
+
+def is_owner_placed(param) -> bool:
+    return hasattr(param, OWNER_ATTR)
+
+
+class OwnerFetchHandle:
+    """The coordinator's handle for a fetch from owners: ``wait`` finishes the broadcasts."""
+
+    def __init__(self, params: list, works: list) -> None:
+        self._params = params
+        self._works = works
+        self._complete = False
+
+    def wait(self, **kwargs) -> None:
+        if self._complete:
+            return
+        for work in self._works:
+            work.wait()
+        for param in self._params:
+            param.ds_status = ZeroParamStatus.AVAILABLE
+        self._complete = True
+
+
+class _BothHandles:
+    """A fetch that went partly to owners and partly to DeepSpeed's even layout."""
+
+    def __init__(self, *handles) -> None:
+        self._handles = [h for h in handles if h is not None]
+
+    def wait(self, **kwargs) -> None:
+        for handle in self._handles:
+            handle.wait(**kwargs)
+
+
+class OwnerLayout:
+    """Fetch, release and sizes of owner-placed parameters over one data-parallel group."""
+
+    def __init__(self, *, group, counter: CommCounter) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group=group)
+        self.world_size = dist.get_world_size(group=group)
+        self.counter = counter
+        self.device = None
+
+    # ------------------------------------------------------------------ conversion
+    @torch.no_grad()
+    def place(self, params: Sequence, owners: Sequence[int]) -> None:
+        """Move ZeRO-3 parameters from DeepSpeed's even layout to their owners (collective, at start-up)."""
+        for param, owner in zip(params, owners):
+            if param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
+                param.all_gather()  # DeepSpeed's even-layout fetch, once
+            full = param.data.reshape(-1)
+            if owner == self.rank:
+                shard = full.detach().clone()
+            else:
+                shard = torch.empty(0, dtype=full.dtype, device=full.device)
+            shard.requires_grad = False
+            previous = param.ds_tensor
+            shard.ds_numel = shard.numel()
+            shard.status = getattr(previous, "status", None)
+            shard.final_location = None
+            param.ds_tensor = shard
+            param.ds_numel_aligned = param.ds_numel
+            setattr(param, OWNER_ATTR, int(owner))
+            param.ds_persist = False
+            param.ds_active_sub_modules.clear()
+            free_param(param)
+            param.ds_status = ZeroParamStatus.NOT_AVAILABLE
+
+    def install(self, params: Iterable) -> None:
+        """Put the routing closures on every ZeRO-3 parameter of the module (owner-placed or not)."""
+        for param in params:
+            if hasattr(param, _ORIGINAL_ATTR):
+                continue
+            setattr(param, _ORIGINAL_ATTR, {name: getattr(param, name) for name in PATCHED_PARAM_CLOSURES})
+            self._install_one(param)
+
+    def _install_one(self, param) -> None:
+        layout = self
+        original = getattr(param, _ORIGINAL_ATTR)
+
+        def all_gather_coalesced(params, safe_mode: bool = False, quantize: bool = False):
+            params = list(params)
+            owned = [p for p in params if is_owner_placed(p)]
+            even = [p for p in params if not is_owner_placed(p)]
+            even_handle = getattr(even[0], _ORIGINAL_ATTR)["all_gather_coalesced"](
+                even, safe_mode=safe_mode, quantize=quantize) if even else None
+            owner_handle = layout.fetch(owned) if owned else None
+            if even_handle is None:
+                return owner_handle
+            return even_handle if owner_handle is None else _BothHandles(even_handle, owner_handle)
+
+        def all_gather(param_list=None, async_op: bool = False, hierarchy: int = 0):
+            param_list = [param] if param_list is None else list(param_list)
+            owned = [p for p in param_list if is_owner_placed(p) and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+            even = [p for p in param_list if not is_owner_placed(p)]
+            if owned:
+                layout.fetch(owned).wait()
+            if even:
+                return getattr(even[0], _ORIGINAL_ATTR)["all_gather"](even, async_op=async_op, hierarchy=hierarchy)
+            return [] if async_op else None
+
+        def partition(param_list=None, hierarchy: int = 0, has_been_updated: bool = False, free_data: bool = True):
+            param_list = [param] if param_list is None else list(param_list)
+            even = [p for p in param_list if not is_owner_placed(p)]
+            for p in param_list:
+                if is_owner_placed(p):
+                    layout.release(p, has_been_updated=has_been_updated, free_data=free_data)
+            if even:
+                getattr(even[0], _ORIGINAL_ATTR)["partition"](even, hierarchy=hierarchy,
+                                                               has_been_updated=has_been_updated, free_data=free_data)
+
+        def partition_numel():
+            # The coordinator fetches a module only if its released parameters' partition_numel()
+            # sum to more than zero; an owner-placed tensor is fetched whole on every rank.
+            return param.ds_numel if is_owner_placed(param) else original["partition_numel"]()
+
+        def padding_size():
+            return 0 if is_owner_placed(param) else original["padding_size"]()
+
+        def aligned_size():
+            return param.ds_numel if is_owner_placed(param) else original["aligned_size"]()
+
+        param.all_gather_coalesced = all_gather_coalesced
+        param.all_gather = all_gather
+        param.partition = partition
+        param.partition_numel = partition_numel
+        param.padding_size = padding_size
+        param.aligned_size = aligned_size
+
+    # ------------------------------------------------------------------ fetch and release
+    def fetch(self, params: list) -> OwnerFetchHandle:
+        """Start one broadcast per parameter from its owner into its full buffer (asynchronous)."""
+        params = sorted(params, key=lambda p: p.ds_id)  # the same order on every rank
+        works = []
+        for param in params:
+            if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+                raise RuntimeError(f"ds_canzona: fetching a ZeRO-3 parameter that is not released: {param.ds_summary()}")
+            param.ds_status = ZeroParamStatus.INFLIGHT
+            owner = getattr(param, OWNER_ATTR)
+            if owner == self.rank:
+                buffer = param.ds_tensor
+            else:
+                buffer = torch.empty(param.ds_numel, dtype=param.ds_tensor.dtype, device=param.ds_tensor.device)
+            param.data = buffer.view(param.ds_shape)
+            if self.world_size > 1:
+                self.counter.add("broadcast", buffer.numel() * buffer.element_size())
+                works.append(dist.broadcast(buffer, src=dist.get_global_rank(self.group, owner), group=self.group,
+                                            async_op=True))
+        return OwnerFetchHandle(params, works)
+
+    @torch.no_grad()
+    def release(self, param, *, has_been_updated: bool, free_data: bool) -> None:
+        if param.ds_status == ZeroParamStatus.INFLIGHT:
+            raise RuntimeError(f"ds_canzona: releasing a ZeRO-3 parameter in flight: {param.ds_summary()}")
+        if param.ds_status == ZeroParamStatus.AVAILABLE:
+            if has_been_updated and getattr(param, OWNER_ATTR) == self.rank:
+                full = param.data.reshape(-1)
+                if full.data_ptr() != param.ds_tensor.data_ptr():
+                    param.ds_tensor.copy_(full)
+            if free_data:
+                free_param(param)
+        param.ds_status = ZeroParamStatus.NOT_AVAILABLE
+
+
+__all__ = ["OWNER_ATTR", "STAGE3_DEEPSPEED_VERSIONS", "check_stage3_version", "PATCHED_PARAM_CLOSURES", "OwnerFetchHandle", "OwnerLayout", "is_owner_placed"]

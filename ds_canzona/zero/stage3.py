@@ -1,0 +1,388 @@
+"""ZeRO stage 3 with owner placement (MatrixFSDP): each tensor lives whole on one rank.
+
+Every trainable tensor has one owner (``ds_canzona.plan.plan_zero3_owners``: balanced on the
+optimizer step's cost and on memory). The owner's ZeRO-3 shard is the whole tensor, every other
+rank's is empty (``ds_canzona.zero.owner_placement``); DeepSpeed's parameter coordinator still
+fetches, prefetches and releases parameters around each module, now by a broadcast from the
+owner. In backward each gradient is summed onto its owner only (one ``reduce`` per tensor), so
+the owner holds the whole averaged gradient and the optimizer step is local: the per-tensor rule
+of ``ds_canzona.optim`` runs on whole tensors and the next forward's fetch carries the result.
+
+Numeric contract: given the same averaged gradients, every owned tensor is updated by exactly
+the per-tensor rule the single-process ``ds_canzona.optim`` optimizer runs, on the same fp32
+values, and clipping uses a norm summed in float64 in parameter order, one squared norm per
+tensor (``ds_canzona.optim.clipping``), so parameters after a step equal the single-process
+result bit for bit at every world size. The averaged gradient is each micro-batch's local
+gradient summed over ranks by the reduce (in the communication dtype; ``GradientReduction`` says
+where the division by the world size happens) and accumulated on the owner over micro-batches in
+the accumulation dtype, then divided in fp32. Only the order of the sums differs from
+single-process training on the whole batch.
+
+Data flow per optimizer step:
+
+    forward/backward: DeepSpeed's coordinator fetches each module's parameters before it runs
+               (one broadcast per tensor from its owner) and releases them after
+    backward:  a post-accumulate-grad hook takes each gradient; tensors are reduced to their
+               owner in one fixed order on every rank (last tensor first, as backward produces
+               them), a few reduces in flight; whatever has not arrived when backward ends is
+               reduced then (a tensor without a gradient counts as zero)
+    step:      the owner's accumulated gradients -> fp32, divided; one all-reduce of per-tensor
+               squared norms (overflow + clipping); each rank updates what it owns; the result
+               is written into its shard. No other collective.
+
+Non-matrix tensors are owned whole like matrices (the planner places them last, where memory is
+left): one layout, one fetch path and one gradient path for everything, and the clipping norm
+counts each tensor once by construction. Frozen parameters stay on DeepSpeed's even layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import deepspeed.comm as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.base_optimizer import ZeROOptimizer
+from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
+from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+from deepspeed.utils.torch import register_grad_hook
+
+from ds_canzona.config import CanzonaConfig
+from ds_canzona.optim import rule_for_group
+from ds_canzona.optim.base import logical_shape
+from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
+from ds_canzona.plan import CostModel, ParamSpec, Zero3Plan, plan_zero3_owners
+from ds_canzona.zero.comm import CommCounter, all_reduce_sum, check_digest_agreement
+from ds_canzona.zero.owner_placement import OwnerLayout
+from ds_canzona.zero.owned import GradientAfterReductionError, OwnedTensor, parameter_groups
+from ds_canzona.zero.reduction import gradient_reduction
+
+# Reduces launched and not yet waited on during backward; each holds one tensor's gradient.
+REDUCES_IN_FLIGHT = 4
+
+
+class CanzonaZero3Optimizer(ZeROOptimizer):
+    """DeepSpeed ZeRO stage 3 optimizer whose shards are whole tensors on their owners.
+
+    ``optimizer`` is a ``ds_canzona.optim`` optimizer (param groups with 'kind'); its rules run
+    on the owned tensors, its own ``step`` never. ``offload_kwargs`` are the keyword arguments of
+    DeepSpeed's ``DeepSpeedZeRoOffload`` (the parameter coordinator and its module hooks) other
+    than the module, as DeepSpeed's own stage 3 passes them.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, module: torch.nn.Module, param_names: dict,
+                 config: CanzonaConfig, dp_process_group, clip_grad: float, offload_kwargs: dict,
+                 static_loss_scale: float = 1.0, dynamic_loss_scale: bool = False, dynamic_loss_args=None,
+                 grad_accum_dtype: torch.dtype | None = None, communication_dtype: torch.dtype | None = None,
+                 gradient_predivide_factor: float = 1.0, postscale_gradients: bool = True,
+                 gradient_average: bool = True):
+        super().__init__()
+        self.optimizer = optimizer
+        self.config = config
+        self.stage = 3
+        self.partition_gradients = True
+        self.module = module
+        self.dp_process_group = dp_process_group
+        self.clip_grad = float(clip_grad or 0.0)
+        self.world_size = dist.get_world_size(group=dp_process_group)
+        self.rank = dist.get_rank(group=dp_process_group)
+        self.device = torch.device(get_accelerator().current_device_name())
+        self.comm = CommCounter()
+        self.overflow = False
+        self._global_grad_norm = 0.0
+        self.custom_loss_scaler = False
+        self.external_loss_scale = None
+        self.torch_autocast_gradscaler = None
+
+        # Tensor order is the model's named_parameters() order, restricted to what the optimizer
+        # trains: every rank derives the same order from the same model.
+        group_of = parameter_groups(optimizer)
+        self.params: list[torch.nn.Parameter] = [p for p in param_names if p in group_of and p.requires_grad]
+        if any(p not in param_names for p in group_of):
+            raise ValueError("some optimizer parameters are not parameters of the model")
+        if not self.params:
+            raise ValueError("the optimizer has no trainable parameters of the model")
+        self.names = [param_names[p] for p in self.params]
+        self.groups = [group_of[p] for p in self.params]
+        self.logical_shapes = [logical_shape(p) for p in self.params]
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) != 1:
+            raise ValueError(f"ds_canzona needs one parameter dtype across the model, found {sorted(map(str, dtypes))}")
+        self.dtype = dtypes.pop()
+        self.reduction = gradient_reduction(
+            param_dtype=self.dtype, world_size=self.world_size, grad_accum_dtype=grad_accum_dtype,
+            communication_dtype=communication_dtype, gradient_average=gradient_average,
+            postscale_gradients=postscale_gradients, gradient_predivide_factor=gradient_predivide_factor)
+
+        self.plan = self._make_plan()
+        check_digest_agreement(self.plan.digest(), group=dp_process_group, device=self.device)
+        if config.log_plan and dist.get_rank() == 0:
+            print(self.plan_summary(), flush=True)
+
+        self.loss_scaler = CreateLossScaler(dtype=self.dtype, static_loss_scale=static_loss_scale,
+                                            dynamic_scaling=dynamic_loss_scale, dynamic_loss_args=dynamic_loss_args)
+        self.dynamic_loss_scale = self.loss_scaler.dynamic
+
+        # DeepSpeed's ZeRO-3 machinery: converts a model not built under zero.Init (even layout),
+        # then fetches and releases around each module. The owner layout replaces the layout of
+        # the trainable parameters underneath it.
+        self.parameter_offload = DeepSpeedZeRoOffload(module, dp_process_group=dp_process_group, **offload_kwargs)
+        self.layout = OwnerLayout(group=dp_process_group, counter=self.comm)
+        self.layout.install(module.parameters())
+        self.layout.place(self.params, self.plan.owner)
+        placed = set(map(id, self.params))
+        self.parameter_offload.persistent_parameters[:] = [
+            p for p in self.parameter_offload.persistent_parameters if id(p) not in placed]
+
+        self._owned = self._build_owned_state()
+        self._owner_of = list(self.plan.owner)
+        self._accumulated: list[torch.Tensor | None] = [None] * len(self.params)  # on the owner
+        self._local: list[torch.Tensor | None] = [None] * len(self.params)  # this backward, not yet sent
+        self._arrivals = [0] * len(self.params)
+        self.early_launch = True
+        self._inflight: list = []
+        self._next = len(self.params) - 1
+        self._hook_handles = [register_grad_hook(p, self._make_grad_hook(i)) for i, p in enumerate(self.params)]
+
+    # ------------------------------------------------------------------ planning
+    def _make_plan(self) -> Zero3Plan:
+        specs = [ParamSpec(name=name, shape=shape, matrix=group["kind"] != "adamw",
+                           heads=rule_for_group(group).plan_heads())
+                 for name, shape, group in zip(self.names, self.logical_shapes, self.groups)]
+        return plan_zero3_owners(specs, world_size=self.world_size, cost=self._plan_cost_model())
+
+    def _plan_cost_model(self) -> CostModel:
+        from ds_canzona.zero.build import plan_cost_model  # each matrix priced by its own group's rule
+        return plan_cost_model(self.config, self.names, self.groups, get_accelerator().device_name())
+
+    def plan_summary(self) -> str:
+        plan = self.plan
+        costs, numels = plan.rank_costs(), plan.rank_numels()
+        lines = [f"ds_canzona ZeRO-3 owner plan: {len(plan.specs)} tensors, DP={plan.world_size}, cost={plan.cost_label}, "
+                 f"cost max/avg={plan.flops_ratio:.3f}, elements max/avg={plan.memory_ratio:.3f}"]
+        for r in range(plan.world_size):
+            lines.append(f"  rank {r}: cost {costs[r]:.3e}, {numels[r]} elements, {len(plan.owned_params(r))} tensors")
+        return "\n".join(lines)
+
+    def _build_owned_state(self) -> list[OwnedTensor]:
+        owned = []
+        for i in self.plan.owned_params(self.rank):
+            shard = self.params[i].ds_tensor.view(self.logical_shapes[i])
+            # fp32 models update the shard in place; lower precision keeps an fp32 master.
+            master = shard if shard.dtype == torch.float32 else shard.detach().float().clone()
+            group = self.groups[i]
+            owned.append(OwnedTensor(index=i, name=self.names[i], master=master,
+                                     state=rule_for_group(group).init_state(master), group=group, tensor=i))
+        return owned
+
+    def shard_view(self, i: int) -> torch.Tensor:
+        """Tensor i's low-precision shard on its owner, shaped like the tensor (empty elsewhere)."""
+        shard = self.params[i].ds_tensor
+        return shard.view(self.logical_shapes[i]) if shard.numel() else shard
+
+    # ------------------------------------------------------------------ backward
+    def _make_grad_hook(self, i: int):
+
+        def hook(param: torch.Tensor) -> None:
+            if i > self._next:
+                raise GradientAfterReductionError(
+                    f"ds_canzona: {self.names[i]!r} received a gradient after it was reduced to its owner in this "
+                    "backward pass (it would be lost). A parameter gets more than one gradient per backward under "
+                    "reentrant activation checkpointing (use_reentrant=True) that uses it in more than one "
+                    "checkpointed segment; use non-reentrant checkpointing (use_reentrant=False).")
+            grad = param.grad
+            param.grad = None
+            if self._local[i] is None:
+                self._local[i] = grad
+            else:
+                self._local[i] = self._local[i] + grad
+            self._arrivals[i] += 1
+            if self._arrivals[i] > 1:
+                # Its first gradient was no proof that it was done: reduce only when backward ends.
+                self.early_launch = False
+            elif self.early_launch:
+                self._launch_ready()
+
+        return hook
+
+    def _launch_ready(self, *, all_remaining: bool = False) -> None:
+        # Tensors leave in one fixed order on every rank (last first, as backward produces them),
+        # so ranks never disagree on which reduce comes next.
+        while self._next >= 0 and (all_remaining or self._arrivals[self._next] > 0):
+            self._launch(self._next)
+            self._next -= 1
+
+    def _launch(self, i: int) -> None:
+        reduction = self.reduction
+        grad = self._local[i]
+        self._local[i] = None
+        if grad is None:  # no gradient on this rank in this backward: it takes part as zeros
+            grad = torch.zeros(self.logical_shapes[i], dtype=reduction.communicate_dtype, device=self.device)
+        send = grad.to(reduction.communicate_dtype)
+        if reduction.pre_divide != 1.0:
+            send = send / reduction.pre_divide if send is grad else send.div_(reduction.pre_divide)
+        owner = self._owner_of[i]
+        self.comm.add("reduce", send.numel() * send.element_size())
+        work = dist.reduce(send, dst=dist.get_global_rank(self.dp_process_group, owner), group=self.dp_process_group,
+                           async_op=True)
+        self._inflight.append((i, work, send))
+        while len(self._inflight) > REDUCES_IN_FLIGHT:
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        i, work, send = self._inflight.pop(0)
+        work.wait()
+        if self._owner_of[i] != self.rank:
+            return
+        if self._accumulated[i] is None:
+            self._accumulated[i] = send.to(self.reduction.accumulate_dtype, copy=True)
+        else:
+            self._accumulated[i].add_(send)
+
+    def _wait_reductions(self) -> None:
+        while self._inflight:
+            self._complete_oldest()
+
+    def overlapping_partition_gradients_reduce_epilogue(self) -> None:
+        """Engine hook after every backward at stage 3 (on every rank): reduce what is left of it.
+
+        The only place that launches the rest, so every rank issues one reduce per tensor per
+        backward, whatever gradients it saw.
+        """
+        self._launch_ready(all_remaining=True)
+        self._wait_reductions()
+        self._next = len(self.params) - 1
+        self._arrivals = [0] * len(self.params)
+
+    def backward_epilogue(self, **kwargs) -> None:
+        release = getattr(self.parameter_offload, "release_backward_leftovers", None)
+        if release is not None:  # DeepSpeed 0.19.8: modules whose post-backward hook never fired
+            release()
+
+    # ------------------------------------------------------------------ step
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.cur_scale
+
+    @property
+    def cur_scale(self) -> float:
+        return self.loss_scaler.cur_scale
+
+    def owned_gradients(self) -> dict[str, torch.Tensor]:
+        """The averaged (unclipped) fp32 gradients of the owned tensors, for tests and tools."""
+        self._wait_reductions()
+        return {t.name: self._averaged_grad(t.index) for t in self._owned}
+
+    def _averaged_grad(self, i: int, *, consume: bool = False) -> torch.Tensor:
+        """Tensor i's averaged fp32 gradient; ``consume``: an fp32 accumulator is divided in place
+        (the step's case: it is dropped afterwards, so no second copy of every gradient is made)."""
+        accumulated = self._accumulated[i]
+        if accumulated is None:
+            return torch.zeros(self.logical_shapes[i], dtype=torch.float32, device=self.device)
+        grad = accumulated.to(torch.float32, copy=not consume).view(self.logical_shapes[i])
+        if self.reduction.post_divide != 1.0:
+            grad.div_(self.reduction.post_divide)
+        if self.loss_scaler.cur_scale != 1.0:
+            grad.div_(self.loss_scaler.cur_scale)
+        return grad
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self._wait_reductions()
+        # Nothing stays gathered across the update: the next forward fetches the new values.
+        self.parameter_offload.partition_all_parameters()
+        grads = [self._averaged_grad(t.index, consume=True) for t in self._owned]
+
+        # One collective for the overflow check and clipping: each entry is non-zero on its owner
+        # only, so the all-reduced vector is exact and its sum the same number on every rank.
+        sq_norms = torch.zeros(len(self.params), dtype=torch.float64, device=self.device)
+        for t, g in zip(self._owned, grads):
+            sq_norms[t.index] = tensor_sq_norm(g)
+        all_reduce_sum(sq_norms, group=self.dp_process_group, counter=self.comm, kind="all_reduce")
+        self.overflow = not bool(torch.isfinite(sq_norms).all())
+        self.loss_scaler.update_scale(self.overflow)
+        if self.overflow:
+            self._global_grad_norm = float("inf")
+            self.zero_grad()
+            return None
+
+        self._global_grad_norm, coefficient = clip_coefficient(sq_norms, self.clip_grad)
+        if coefficient < 1.0:
+            for g in grads:
+                g.mul_(coefficient)
+        for group in self.optimizer.param_groups:
+            members = [(t, g) for t, g in zip(self._owned, grads) if t.group is group]
+            if members:
+                rule_for_group(group).update_([t.master for t, _ in members], [g for _, g in members],
+                                              [t.state for t, _ in members], lr=group["lr"], known_finite=True)
+        self.optimizer._opt_called = True  # torch lr schedulers check that the basic optimizer stepped
+        self.write_masters_to_shards()
+        self.zero_grad()
+        return None
+
+    def refresh_params_from_masters(self) -> None:
+        """After masters were written (a checkpoint load): release every fetched copy, update the shards."""
+        self.parameter_offload.partition_all_parameters()
+        self.write_masters_to_shards()
+
+    @torch.no_grad()
+    def write_masters_to_shards(self) -> None:
+        for t in self._owned:
+            shard = self.shard_view(t.index)
+            if t.master is not shard:
+                shard.copy_(t.master)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._accumulated = [None] * len(self.params)
+        for p in self.params:
+            p.grad = None
+
+    # ------------------------------------------------------------------ engine glue
+    def backward(self, loss, retain_graph: bool = False):
+        self.enter_backward()
+        self.scale_if_loss(loss).backward(retain_graph=retain_graph)
+        self.backward_epilogue()
+        self.exit_backward()
+
+    def owned_tensors(self) -> list[OwnedTensor]:
+        return list(self._owned)
+
+    # ------------------------------------------------------------------ checkpoint glue (zero/checkpoint/engine.py)
+    def checkpoint_ranks(self) -> tuple[int, int, object]:
+        """(rank, number of ranks, group) of the ranks that write one shard file each."""
+        return self.rank, self.world_size, self.dp_process_group
+
+    def item_file(self, item: int) -> int:
+        """The shard file that holds plan item ``item``: its owner's."""
+        return self.plan.owner[item]
+
+    def checkpoint_items(self) -> list[OwnedTensor]:
+        return self.owned_tensors()
+
+    def load_targets(self) -> list[OwnedTensor]:
+        return self.owned_tensors()
+
+    def after_load(self) -> None:
+        self.refresh_params_from_masters()
+
+    def empty_partition_cache(self) -> None:
+        self.parameter_offload.empty_partition_cache()
+
+    def destroy(self) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self.parameter_offload.destroy()
+
+    def state_dict(self):
+        raise NotImplementedError("ds_canzona checkpoints are written by engine.save_checkpoint "
+                                  "(see ds_canzona.zero.checkpoint)")
+
+    def load_state_dict(self, *args, **kwargs):
+        raise NotImplementedError("ds_canzona checkpoints are read by engine.load_checkpoint "
+                                  "(see ds_canzona.zero.checkpoint)")
+
+
+__all__ = ["CanzonaZero3Optimizer"]

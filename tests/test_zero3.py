@@ -1,0 +1,290 @@
+"""ZeRO stage 3 with owner placement against the single-process optimizers and plain torch, on gloo ranks.
+
+One spawn per DP size (2, 3 and 4) trains a row of engines for 10 steps with clipping on: Muon,
+Shampoo and SOAP, gradient accumulation 1 and 3, fp32 and bf16, a model built under
+``deepspeed.zero.Init`` beside the same model built normally, and a matrix larger than
+``reduce_bucket_size``. For each engine:
+
+- the parameters after the last step equal (torch.equal) the single-process ``ds_canzona.optim``
+  optimizer fed the averaged gradients the owners saw, fp32 masters included;
+- those averaged gradients are within a stated bound of the mean of per-rank gradients that
+  plain torch computes without DeepSpeed (``_bound``: the runtime sums W ranks x GA micro-batches
+  in another order and precision, and DeepSpeed's ZeRO-3 module hooks make autograd sum a
+  tensor's gradient contributions in another order; nothing else may differ), and a wrong
+  average (the sum, a micro-batch left out) falls outside that bound;
+- the clipping norm is plain torch's ``clip_grad_norm_`` over those mean gradients (each tensor
+  counted once), to float64-vs-fp32 rounding;
+- every collective in the optimizer step is the one norm all-reduce (one instrumented engine).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from grad_reference import UNDERFLOW, UNIT_ROUNDOFF, Replay, merged_grads, rank_gradients
+from test_zero_stage12 import assert_params_equal
+from tiny_model import make_model
+from zero3_workers import make_wide_model, train_runs
+from zero_workers import make_config
+
+STEPS = 10
+CLIP = 1.0
+OPTIMIZERS = {
+    "muon": {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 0.003, "weight_decay": 0.01, "ns_method": "gram"}},
+    "shampoo": {"type": "Shampoo", "params": {"lr": 0.003, "adam_lr": 0.003, "precondition_frequency": 3}},
+    "soap": {"type": "SOAP", "params": {"lr": 0.003, "adam_lr": 0.003, "precondition_frequency": 3}},
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MODEL_FACTORIES = {"tiny": make_model, "wide": make_wide_model}
+# The wide model's largest matrices (1536 elements) exceed this.
+SMALL_BUCKET = 1000
+
+# name: (optimizer, gradient accumulation, dtype, model, built under zero.Init, collectives logged)
+CASES = {
+    2: {
+        "muon_fp32_ga1": ("muon", 1, "fp32", "tiny", False, False),
+        "muon_fp32_ga3_wide": ("muon", 3, "fp32", "wide", False, True),
+        "muon_fp32_ga3_wide_zero_init": ("muon", 3, "fp32", "wide", True, False),
+        "shampoo_bf16_ga3": ("shampoo", 3, "bf16", "tiny", False, False),
+        "soap_fp32_ga1": ("soap", 1, "fp32", "tiny", False, False),
+    },
+    3: {
+        "muon_fp32_ga3": ("muon", 3, "fp32", "tiny", False, False),
+        "muon_bf16_ga1": ("muon", 1, "bf16", "tiny", False, False),
+        "shampoo_fp32_ga1": ("shampoo", 1, "fp32", "tiny", False, False),
+        "soap_bf16_ga3": ("soap", 3, "bf16", "tiny", False, False),
+    },
+    4: {
+        "muon_fp32_ga1": ("muon", 1, "fp32", "tiny", False, False),
+    },
+}
+REFUSED = {
+    "offload_param": ({"offload_param": {"device": "cpu"}}, "zero_optimization.offload_param"),
+}
+
+
+def _config(world_size: int, case: tuple, zero: dict | None = None) -> dict:
+    optimizer, ga, dtype, model, _, _ = case
+    top = {"gradient_accumulation_steps": ga, "gradient_clipping": CLIP}
+    if dtype == "bf16":
+        top["bf16"] = {"enabled": True}
+    config = make_config(world_size, stage=3, optimizer=OPTIMIZERS[optimizer], **top)
+    if model == "wide":
+        config["zero_optimization"]["reduce_bucket_size"] = SMALL_BUCKET
+    # DeepSpeed's default memory_efficient_linear swaps torch.nn.functional.linear for its own autograd
+    # function (another bias-gradient kernel, so other roundings than the plain-torch reference).
+    config["zero_optimization"]["memory_efficient_linear"] = False
+    config["zero_optimization"].update(zero or {})
+    return config
+
+
+@pytest.fixture(scope="module")
+def spawned():
+    cache: dict[int, dict[str, list[dict]]] = {}
+
+    def get(world_size: int) -> dict[str, list[dict]]:
+        if world_size not in cache:
+            cases = CASES[world_size]
+            runs = [{"config": _config(world_size, case), "model": case[3], "zero_init": case[4], "log": case[5],
+                     "steps": STEPS} for case in cases.values()]
+            names = list(cases)
+            if world_size == 2:
+                for name, (zero, _) in REFUSED.items():
+                    runs.append({"config": _config(world_size, cases["muon_fp32_ga1"], zero), "steps": 1})
+                    names.append(name)
+            results = run_ranks(train_runs, world_size, runs, timeout=900)
+            cache[world_size] = {name: [r[i] for r in results] for i, name in enumerate(names)}
+        return cache[world_size]
+
+    return get
+
+
+# DeepSpeed's ZeRO-3 module hooks put extra autograd nodes around every module, so autograd sums
+# the gradient contributions of a tensor used several times (the normed input of q, k and v) in
+# another order than plain torch does: each rank's own gradient already differs from plain
+# torch's by a few roundings of the backward's dtype. Measured on these models: at most 2.2e-7
+# of a tensor's largest gradient entry in fp32; the allowance is far above that and far below
+# what a wrong average moves (a micro-batch left out or counted twice, a wrong divisor: checked).
+BACKWARD_ORDER = {torch.float32: 2.0 ** -16, torch.bfloat16: 2.0 ** -4}
+
+
+# Relative difference allowed between the runtime's clipping norm and plain torch's: the
+# gradients' own (bf16 backward order: measured 1.6e-4; fp32: below 1e-6).
+NORM_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-3}
+
+
+def _bound(per_micro: list[dict[str, torch.Tensor]], *, world_size: int, dtype: torch.dtype) -> dict:
+    """Elementwise bound on |runtime's average - fp32 mean| of per-(rank, micro-batch) gradients.
+
+    The runtime sums n = W * GA gradients (a reduce over ranks per micro-batch in the parameter
+    dtype, accumulated over micro-batches on the owner in it) in some order: at most n - 1
+    roundings of the parameter dtype, plus the fp32 reference's own (n - 1) and the divisions, so
+    ((n - 1) (u + u_32) + 4 u_32) * sum |g| / W (1 + 1e-3), plus n subnormal half-spacings; and
+    the backward-order allowance above, relative to the tensor's largest mean entry.
+    """
+    n = len(per_micro)
+    u, u32 = UNIT_ROUNDOFF[dtype], UNIT_ROUNDOFF[torch.float32]
+    relative = ((n - 1) * (u + u32) + 4 * u32) * (1 + 1e-3)
+    bound = {}
+    for name in per_micro[0]:
+        magnitude = sum(g[name].float().abs() for g in per_micro) / world_size
+        mean = sum(g[name].float() for g in per_micro) / world_size
+        bound[name] = relative * magnitude + n * UNDERFLOW[dtype] + BACKWARD_ORDER[dtype] * mean.abs().max()
+    return bound
+
+
+def _outside(grads: dict, want: dict, bound: dict) -> dict[str, int]:
+    return {n: bad for n, m in want.items() if (bad := int(((grads[n] - m).abs() > bound[n]).sum()))}
+
+
+def _check(name: str, results: list[dict], world_size: int) -> None:
+    optimizer, ga, dtype_name, model, _, _ = CASES[world_size][name]
+    dtype = DTYPES[dtype_name]
+    for r in results:
+        assert "init_error" not in r, r
+        assert r["skipped"] == 0
+    # One plan on every rank; every tensor is owned whole by its owner and empty elsewhere.
+    assert len({r["plan_digest"] for r in results}) == 1
+    owners = results[0]["owners"]
+    for rank, r in enumerate(results):
+        for tensor, owner in owners.items():
+            full = results[owner]["params"][tensor].numel()
+            assert r["local_shard_numel"][tensor] == (full if owner == rank else 0), (tensor, rank)
+        assert set(r["masters"]) == {t for t, o in owners.items() if o == rank}
+
+    replay = Replay(OPTIMIZERS[optimizer], MODEL_FACTORIES[model], clip=CLIP, param_dtype=dtype)
+    for step, grads in enumerate(merged_grads(results)):
+        assert set(grads) == set(owners)
+        model_now = replay.model_in(dtype)
+        per_micro = [rank_gradients(model_now, step=step, rank=rank, world_size=world_size, ga=ga, micros=[micro])
+                     for rank in range(world_size) for micro in range(ga)]
+        mean = {n: sum(g[n].float() for g in per_micro) / world_size for n in per_micro[0]}
+        bound = _bound(per_micro, world_size=world_size, dtype=dtype)
+        outside = _outside(grads, mean, bound)
+        assert not outside, f"{name} step {step}: averaged gradient outside the bound: {outside}"
+        # The bound rejects wrong averages: the sum, and a micro-batch (of one rank) left out.
+        assert _outside(grads, {n: m * world_size for n, m in mean.items()}, bound)
+        left_out = {n: m - per_micro[-1][n].float() / world_size for n, m in mean.items()}
+        assert _outside(grads, left_out, bound)
+        # The clipping norm: plain torch's clip_grad_norm_ of the mean gradients (each tensor once).
+        tensors = [torch.nn.Parameter(torch.zeros_like(m)) for m in mean.values()]
+        for t, m in zip(tensors, mean.values()):
+            t.grad = m.clone()
+        torch_norm = float(torch.nn.utils.clip_grad_norm_(tensors, CLIP))
+        runtime_norm = results[0]["norms"][step]
+        # Within the gradients' own difference from plain torch (NORM_TOLERANCE), and to fp32
+        # rounding from clip_grad_norm_ of the very gradients the owners saw.
+        assert abs(runtime_norm - torch_norm) <= NORM_TOLERANCE[dtype] * torch_norm, (name, step, runtime_norm,
+                                                                                       torch_norm)
+        own = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads.values()]
+        for t, g in zip(own, grads.values()):
+            t.grad = g.clone()
+        own_norm = float(torch.nn.utils.clip_grad_norm_(own, CLIP))
+        assert abs(runtime_norm - own_norm) <= 1e-6 * own_norm, (name, step, runtime_norm, own_norm)
+        replay.step(grads)
+    assert_params_equal(results[0]["params"], replay.params())
+    masters = {n: m for r in results for n, m in r["masters"].items()}
+    assert_params_equal(masters, {n: p for n, p in replay.params(torch.float32).items() if n in masters})
+
+
+@pytest.mark.parametrize("world_size,name", [(ws, name) for ws, cases in CASES.items() for name in cases])
+def test_stage3_equals_single_process_and_plain_torch(spawned, one_thread, world_size, name):
+    _check(name, spawned(world_size)[name], world_size)
+
+
+def test_zero_init_model_gets_the_same_plan_and_result_and_large_matrices_get_muon(spawned):
+    results = spawned(2)
+    normal, zero_init = results["muon_fp32_ga3_wide"], results["muon_fp32_ga3_wide_zero_init"]
+    for a, b in zip(normal, zero_init):
+        assert a["plan_digest"] == b["plan_digest"]
+        assert a["kinds"] == b["kinds"]
+        assert_params_equal(a["params"], b["params"])
+    kinds = normal[0]["kinds"]
+    shapes = {n: p.shape for n, p in normal[0]["params"].items()}
+    large = [n for n, s in shapes.items() if s.numel() > SMALL_BUCKET and kinds[n] != "adamw"]
+    assert "layers.0.up_proj.weight" in large and all(kinds[n] == "muon" for n in large)
+    assert kinds["layers.0.up_proj.weight"] == "muon" and kinds["embed_tokens.weight"] == "adamw"
+
+
+def test_step_runs_no_collective_but_the_norm_all_reduce(spawned):
+    for r in spawned(2)["muon_fp32_ga3_wide"]:
+        step_calls = [(kind, n) for phase, kind, n in r["calls"] if phase == "step"]
+        assert step_calls == [("all_reduce", 8 * r["n_params"])] * STEPS, step_calls
+        around = {kind for phase, kind, _ in r["calls"] if phase == "forward_backward"}
+        # Parameters are fetched by broadcasts from their owners, gradients reduced to them.
+        assert around == {"broadcast", "reduce"}, around
+
+
+def test_unsupported_stage3_features_are_refused_at_init(spawned):
+    results = spawned(2)
+    for name, (_, key) in REFUSED.items():
+        for r in results[name]:
+            assert "init_error" in r and key in r["init_error"], (name, r)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+SAVE_STEPS, RESUME_STEPS = 3, 2
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from zero3_workers import checkpoint_resume, checkpoint_save
+
+    workdir = tmp_path_factory.mktemp("zero3_ckpt")
+    save_dir, export_dir = str(workdir / "ckpt"), str(workdir / "export")
+    muon = OPTIMIZERS["muon"]
+    saved = run_ranks(checkpoint_save, 4, make_config(4, stage=3, optimizer=muon), save_dir, export_dir, SAVE_STEPS,
+                      timeout=600)
+    resumed = {
+        (stage, ws): run_ranks(checkpoint_resume, ws, make_config(ws, stage=stage, optimizer=muon), save_dir,
+                               SAVE_STEPS, RESUME_STEPS, timeout=600)
+        for stage, ws in ((2, 2), (3, 3))
+    }
+    return saved, resumed, export_dir
+
+
+@pytest.mark.parametrize("stage,world_size", [(2, 2), (3, 3)])
+def test_stage3_checkpoint_loads_at_other_stages_and_sizes_and_training_continues_exactly(
+        checkpoints, one_thread, stage, world_size):
+    """Saved at stage 3 DP=4; loaded at stage 2 DP=2 and stage 3 DP=3. The loaded masters and optimizer
+    state equal the saved ones and the consolidated export (torch.equal), and the next steps equal the
+    single-process optimizer started from the consolidated export and fed the owners' gradients."""
+    from ds_canzona.consolidate import load_consolidated_model, load_consolidated_optimizer
+
+    saved, resumed, export_dir = checkpoints
+    results = resumed[(stage, world_size)]
+    saved_owned = {n: s for r in saved for n, s in r["owned"].items()}
+    loaded_owned = {n: s for r in results for n, s in r["owned"].items()}
+    assert set(loaded_owned) == set(saved_owned)
+    for name, state in saved_owned.items():
+        assert set(loaded_owned[name]) == set(state), name
+        for key, value in state.items():
+            got = loaded_owned[name][key]
+            assert torch.equal(got, value) if torch.is_tensor(value) else got == value, (name, key)
+    assert_params_equal(results[0]["params"], saved[0]["params"])
+    assert results[0]["global_steps"] == SAVE_STEPS
+
+    # The single-process optimizer from the consolidated export, fed the resumed run's gradients.
+    replay = Replay(OPTIMIZERS["muon"], make_model, clip=1.0)
+    exported = load_consolidated_model(export_dir)
+    with torch.no_grad():
+        for name, param in replay.model.named_parameters():
+            param.copy_(exported[name])
+    replay.optimizer.load_state_dict_by_name(load_consolidated_optimizer(export_dir))
+    assert_params_equal(replay.params(), saved[0]["params"])
+    for grads in merged_grads(results):
+        replay.step(grads)
+    assert_params_equal(results[0]["final"], replay.params())
+
+
+@pytest.mark.parametrize("version", ["0.19.0", "0.19.7", "0.20.0"])
+def test_stage3_is_refused_on_deepspeed_releases_it_was_not_checked_against(version):
+    from ds_canzona.config import CanzonaConfigError
+    from ds_canzona.zero.owner_placement import check_stage3_version
+
+    with pytest.raises(CanzonaConfigError, match=f"zero_optimization.stage 3 .* found {version}"):
+        check_stage3_version(version)
+    check_stage3_version("0.19.8+local")

@@ -1,0 +1,150 @@
+"""Rank-side functions of the ZeRO-3 (owner placement) tests, spawned by tests/distributed.py."""
+
+from __future__ import annotations
+
+import torch
+
+from tiny_model import TinyLM, batches, make_model
+from zero_workers import CollectiveLog, init_engine
+
+
+class WideLM(TinyLM):
+    """TinyLM with a wide MLP: its up/gate matrices (64 x 24 = 1536 elements) exceed the tests'
+    ``reduce_bucket_size`` of 1000, where DeepSpeed 0.19.8's ZeRO-3 Muon falls back to SGD."""
+
+    def __init__(self):
+        super().__init__(hidden=64)
+
+
+def make_wide_model(seed: int = 0) -> WideLM:
+    torch.manual_seed(seed)
+    return WideLM()
+
+
+MODELS = {"tiny": make_model, "wide": make_wide_model}
+
+
+def build_model(name: str, config: dict, zero_init: bool):
+    """The test model, built normally or under ``deepspeed.zero.Init`` (as the HF Trainer does at stage 3)."""
+    if not zero_init:
+        return MODELS[name]()
+    import deepspeed
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        return MODELS[name]()
+
+
+def gathered_params(engine) -> dict[str, torch.Tensor]:
+    import deepspeed
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def train_runs(rank: int, world_size: int, runs: list[dict]) -> list[dict]:
+    """One engine per run, built and trained in a row in this process (one spawn, many scenarios).
+
+    A run is {"config", "model": name in MODELS, "zero_init": build it under zero.Init, "steps",
+    "log": record every deepspeed.comm collective by phase}. Each result has the per-step averaged
+    gradients each owner saw ("grads"), the final parameters gathered whole, each owned tensor's
+    fp32 master, the plan's owners, the kinds the optimizer gave each tensor, or "init_error".
+    """
+    return [_train_run(rank, world_size, run) for run in runs]
+
+
+def _train_run(rank: int, world_size: int, run: dict) -> dict:
+    from ds_canzona.config import CanzonaConfigError
+
+    config = run["config"]
+    log = CollectiveLog() if run.get("log") else None
+    try:
+        engine = init_engine(config, model=build_model(run.get("model", "tiny"), config, run.get("zero_init", False)))
+    except CanzonaConfigError as error:
+        return {"init_error": str(error)}
+    zero = engine.optimizer
+    ga = engine.gradient_accumulation_steps()
+    grads, norms = [], []
+    if log is not None:
+        log.calls.clear()
+    for step in range(run["steps"]):
+        for micro in range(ga):
+            tokens = batches(step, micro, rank, world_size, config["train_micro_batch_size_per_gpu"])
+            if log is not None:
+                log.phase = "forward_backward"
+            engine.backward(engine(tokens))
+            if micro == ga - 1:
+                if log is not None:
+                    log.phase = "other"
+                grads.append({k: v.clone() for k, v in zero.owned_gradients().items()})
+            if log is not None:
+                log.phase = "step"
+            engine.step()
+            if micro == ga - 1:
+                norms.append(float(zero._global_grad_norm))
+            if log is not None:
+                log.phase = "other"
+    result = {
+        "params": gathered_params(engine),
+        "grads": grads,
+        "norms": norms,
+        "masters": {t.name: t.master.detach().clone() for t in zero.owned_tensors()},
+        "owners": dict(zip(zero.names, zero.plan.owner)),
+        "plan_digest": zero.plan.digest(),
+        "kinds": {name: group["kind"] for name, group in zip(zero.names, zero.groups)},
+        "skipped": engine.skipped_steps,
+        "calls": list(log.calls) if log is not None else None,
+        "n_params": len(zero.params),
+        "local_shard_numel": {name: int(p.ds_tensor.numel()) for name, p in zip(zero.names, zero.params)},
+    }
+    engine.destroy()
+    return result
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+def _train_capture(engine, rank: int, world_size: int, first: int, count: int) -> list[dict]:
+    zero = engine.optimizer
+    ga = engine.gradient_accumulation_steps()
+    grads = []
+    for step in range(first, first + count):
+        for micro in range(ga):
+            engine.backward(engine(batches(step, micro, rank, world_size, engine.train_micro_batch_size_per_gpu())))
+            if micro == ga - 1:
+                grads.append({k: v.clone() for k, v in zero.owned_gradients().items()})
+            engine.step()
+    return grads
+
+
+def _owned_snapshot(zero) -> dict:
+    return {t.name: {"master": t.master.detach().clone(),
+                     **{k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in t.state.items()}}
+            for t in zero.owned_tensors()}
+
+
+def _params_any_stage(engine) -> dict[str, torch.Tensor]:
+    if engine.zero_optimization_stage() == 3:
+        return gathered_params(engine)
+    return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def checkpoint_save(rank: int, world_size: int, config: dict, save_dir: str, export_dir: str, steps: int) -> dict:
+    """Train ``steps`` steps at stage 3, save tag 'saved', consolidate it (rank 0)."""
+    import deepspeed.comm as dist
+
+    engine = init_engine(config, model=make_model())
+    _train_capture(engine, rank, world_size, 0, steps)
+    engine.save_checkpoint(save_dir, tag="saved")
+    if rank == 0:
+        from ds_canzona.consolidate import consolidate_checkpoint
+        consolidate_checkpoint(f"{save_dir}/saved", export_dir, optimizer_states=True)
+    dist.barrier()
+    return {"owned": _owned_snapshot(engine.optimizer), "params": _params_any_stage(engine)}
+
+
+def checkpoint_resume(rank: int, world_size: int, config: dict, save_dir: str, first: int, steps: int) -> dict:
+    """A fresh engine (any stage, any DP size) loads tag 'saved' and trains ``steps`` more steps."""
+    engine = init_engine(config, model=make_model(seed=5))  # other initial values: the load must replace them
+    engine.load_checkpoint(save_dir, tag="saved")
+    loaded = {"owned": _owned_snapshot(engine.optimizer), "params": _params_any_stage(engine),
+              "global_steps": engine.global_steps}
+    grads = _train_capture(engine, rank, world_size, first, steps)
+    return {**loaded, "grads": grads, "final": _params_any_stage(engine)}
