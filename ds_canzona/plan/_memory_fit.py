@@ -8,7 +8,10 @@ that makespan C, the smallest busiest-rank memory (bytes of master, optimizer st
 segment, from a ``MemoryModel``). If that memory is above the target (``MEMORY_OVER_AVERAGE`` x
 the average, ``MEMORY_OVER_LARGEST`` x the largest item), C may rise to the least value that
 reaches it, within ``MAKESPAN_OVER_LPT`` of unconstrained LPT and never above the cost portfolio's
-plan. A hard cap raises C as far as needed.
+plan. That plan is the planner's before memory counted: when tensors in pieces have buckets of their
+own (``plan_buckets``), the cost portfolio on the joint buckets they had before (``reference_owner``,
+a valid plan on the finer buckets too), which also joins the candidates. A hard cap raises C as
+far as needed.
 
 Rocks and sand. Matrices are *rocks*: few, lumpy, and they set the makespan. Non-matrix items
 (norms, biases and the pieces of embeddings and heads) are *sand*: fine-grained, cheap per byte
@@ -237,7 +240,7 @@ class MemorySearch(LocalSearch):
 
 
 def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_owner: list[int],
-        *, memory_cap: float | None = None) -> FitResult:
+        *, memory_cap: float | None = None, reference_owner: list[int] | None = None) -> FitResult:
     """The lexicographic plan: least makespan, then least busiest memory (see the module docstring).
 
     With ``memory_cap``, a plan over the cap is not accepted: the makespan is raised (bisection on
@@ -246,6 +249,13 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
     world = problem.world
     candidates = [cost_owner]
     rock_plans = [cost_owner]
+    # The planner's step time before memory counted: the cost-only plan on the joint buckets when
+    # given (valid here too), else on these.
+    ceiling_owner = cost_owner
+    if reference_owner is not None:
+        candidates.append(reference_owner)
+        rock_plans.append(reference_owner)
+        ceiling_owner = reference_owner
     total_memory = sum(memory)
     memory_bound = max(total_memory / world, max(memory, default=0.0))
     rocks = [item for item, is_sand in enumerate(sand) if not is_sand]
@@ -272,7 +282,7 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
     # The makespan: the best found (give or take MAKESPAN_TOLERANCE); up to the budget if that buys
     # memory down to the target, never above the cost portfolio's own plan (see the module docstring).
     best_makespan = min(_max_load(world, owner, problem.costs) for owner in candidates)
-    portfolio_makespan = _max_load(world, cost_owner, problem.costs)
+    portfolio_makespan = _max_load(world, ceiling_owner, problem.costs)
     makespan = min(portfolio_makespan, best_makespan * (1.0 + MAKESPAN_TOLERANCE))
     over_lpt = (1.0 + MAKESPAN_OVER_LPT) * _lpt_makespan(problem.costs, world)
     budget = min(portfolio_makespan, max(makespan, over_lpt))
