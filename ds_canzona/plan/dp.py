@@ -39,13 +39,13 @@ import hashlib
 import heapq
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ._memory_fit import MemoryCapUnreachable, fit
 from ._packing import Problem, balance, min_max_segment, segment_caps
-from .cost import CostModel, cost_model
+from .cost import CostModel, FlopsCost, NumelCost, RooflineCost, cost_model
 from .memory import MemoryModel, StateMemory
 from .specs import ParamSpec, PlanError
 
@@ -286,10 +286,35 @@ def piece_bounds(numel: int, split_numel: int | None) -> list[tuple[int, int]]:
     return [(start, min(start + split_numel, numel)) for start in range(0, numel, split_numel)]
 
 
+# The project's own models price a spec by its shape, kind and TP layout alone, never its name.
+_SHAPE_PRICED = (NumelCost, FlopsCost, RooflineCost, StateMemory)
+
+
+def _priced(model: object, price: Callable[[ParamSpec], float], specs: Sequence[ParamSpec]) -> list[float]:
+    """``price(spec)`` for every spec, as floats; computed once per shape for the project's own models.
+
+    A deep model repeats a few shapes thousands of times. A model of the user's own may read
+    anything, the name included, so it is asked about every spec.
+    """
+    if type(model) not in _SHAPE_PRICED:
+        return [float(price(spec)) for spec in specs]
+    seen: dict[tuple[Any, ...], float] = {}
+    values = []
+    for spec in specs:
+        key = (spec.shape, spec.matrix, spec.tp_dim, spec.tp_size, spec.heads)
+        value = seen.get(key)
+        if value is None:
+            value = seen[key] = float(price(spec))
+        values.append(value)
+    return values
+
+
 def _expand_pieces(
     specs: Sequence[ParamSpec], ranges: Sequence[tuple[int, int]], split_numel: int | None
 ) -> tuple[tuple[ParamSpec, ...], tuple[tuple[int, int, int], ...], list[tuple[int, int]]]:
     """Items (piece specs), their ``(tensor, start, stop)``, and the bucket ranges over items."""
+    if split_numel is None:
+        return tuple(specs), tuple((index, 0, spec.numel) for index, spec in enumerate(specs)), list(ranges)
     items: list[ParamSpec] = []
     pieces: list[tuple[int, int, int]] = []
     first_item: list[int] = []
@@ -389,16 +414,16 @@ def plan_dp_partitions(
     tensor_ranges = plan_buckets(specs, bucket_numel, split_numel=split_numel)
     # The buckets before tensors in pieces had buckets of their own: every plan on them is a plan
     # on the finer buckets, and the cost-only plan on them is the step time never to exceed.
-    joint_ranges = plan_buckets(specs, bucket_numel)
-    _, _, joint = _expand_pieces(specs, joint_ranges, split_numel)
+    joint_ranges = plan_buckets(specs, bucket_numel) if split_numel is not None else tensor_ranges
+    joint = _expand_pieces(specs, joint_ranges, split_numel)[2] if joint_ranges != tensor_ranges else None
     specs, pieces, ranges = _expand_pieces(specs, tensor_ranges, split_numel)
-    costs = tuple(float(model.cost(spec)) for spec in specs)
+    costs = tuple(_priced(model, model.cost, specs))
     for spec, value in zip(specs, costs):
         if not (value >= 0.0 and math.isfinite(value)):
             raise PlanError(
                 f"Cost model {model.label} gave {value!r} for {spec.name!r}: costs must be finite and >= 0."
             )
-    item_bytes = tuple(float(memory_model.bytes(spec)) for spec in specs)
+    item_bytes = tuple(_priced(memory_model, memory_model.bytes, specs))
 
     numels = [spec.numel for spec in specs]
     if strategy == "uniform":
@@ -410,7 +435,7 @@ def plan_dp_partitions(
             owner, cuts = alpha_balanced(numels, list(costs), ranges, world_size, alpha=float(alpha),
                                          memory=item_bytes, sand=[not spec.matrix for spec in specs],
                                          memory_cap=max_state_bytes_per_rank,
-                                         joint_buckets=joint if joint != ranges else None)
+                                         joint_buckets=joint)
         except MemoryCapUnreachable as unreachable:
             assert max_state_bytes_per_rank is not None
             raise _cap_error(specs, item_bytes, world_size, max_state_bytes_per_rank,
