@@ -30,7 +30,9 @@ and, when memory misses the target, from the portfolio run on the bytes.
 
 A local search (:class:`MemorySearch`) then moves an item off the busiest-memory rank, or swaps
 it for a lighter one, within its bucket neighbours' ranks and the element caps, where no rank's
-cost goes above C and the busiest memory strictly drops.
+cost goes above C and the busiest memory strictly drops. Where that leaves memory above the
+target, the sand is poured again around the rocks as the search left them, and searched again
+(``REPOUR_ROUNDS``): a search moves one item at a time, a pouring moves a whole run.
 
 Under ``alpha < 1`` (element caps per segment) the pouring is skipped: memory is improved by the
 local search alone, which respects the caps.
@@ -59,6 +61,8 @@ MAKESPAN_TOLERANCE = 0.005
 MEMORY_OVER_AVERAGE = 1.25
 MEMORY_OVER_LARGEST = 1.05
 MAKESPAN_OVER_LPT = 0.02
+# Rounds of pouring the sand again around the rocks a memory search has moved.
+REPOUR_ROUNDS = 2
 # Sand worth less than this fraction of an average rank (in cost and in memory) cannot change
 # either criterion much: the rock-only portfolio is not run for it (it keeps large inputs fast).
 SAND_WORTH_PACKING = 0.25
@@ -298,12 +302,19 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
                 options.append(poured)
         chosen: tuple[float, list[int]] | None = None
         for owner in options:
-            assignment = _assignment(problem, list(owner))
-            search = MemorySearch(problem, assignment, memory, capacity, budget=_memory_budget(problem))
-            search.run()
-            key = (search.memory_loads.max_load(), assignment.owner)
-            if chosen is None or key < chosen:
-                chosen = key
+            for _ in range(REPOUR_ROUNDS + 1 if pourable and not problem.capped else 1):
+                assignment = _assignment(problem, list(owner))
+                search = MemorySearch(problem, assignment, memory, capacity, budget=_memory_budget(problem))
+                search.run()
+                key = (search.memory_loads.max_load(), assignment.owner)
+                if chosen is None or key < chosen:
+                    chosen = key
+                if key[0] <= memory_target:
+                    break
+                # The search moved rocks: pour the sand again around them.
+                owner = _Pouring(problem, memory, sand, assignment.owner).fewest_memory(capacity, memory_bound)
+                if owner is None:
+                    break
         assert chosen is not None
         return chosen[1], chosen[0]
 
