@@ -180,7 +180,9 @@ class MemorySearch(LocalSearch):
                 return
 
     def _best_memory_move(self, busiest: int) -> bool:
-        loads, mem, costs, memory = self.state.loads, self.memory_loads, self.problem.costs, self.memory
+        # Plain lists of the loads: nothing moves until the best move is chosen.
+        loads, mem = self.state.loads.loads(), self.memory_loads.loads()
+        costs, memory = self.problem.costs, self.memory
         top = mem[busiest]
         best: tuple[float, int, int] | None = None
         for item in self.on_rank[busiest]:
@@ -201,25 +203,30 @@ class MemorySearch(LocalSearch):
         return True
 
     def _best_memory_swap(self, busiest: int) -> bool:
-        loads, mem, costs, memory, owner = self.state.loads, self.memory_loads, self.problem.costs, self.memory, \
-            self.state.owner
+        # Plain lists of the loads: nothing moves until the best swap is chosen.
+        loads, mem = self.state.loads.loads(), self.memory_loads.loads()
+        costs, memory, owner, capacity = self.problem.costs, self.memory, self.state.owner, self.capacity
         top = mem[busiest]
+        busiest_load = loads[busiest]
         best: tuple[float, int, int] | None = None
         for item in self.on_rank[busiest]:
             low, high = self._window(item)
+            item_memory, item_cost = memory[item], costs[item]
             for rank in range(low, high + 1):
-                gap = top - mem[rank]
+                rank_memory = mem[rank]
+                gap = top - rank_memory
                 if rank == busiest or gap <= 0.0:
                     continue
+                rank_load = loads[rank]
                 self.budget -= len(self.on_rank[rank])
                 for other in self.on_rank[rank]:
-                    delta = memory[item] - memory[other]
+                    delta = item_memory - memory[other]
                     if not 0.0 < delta < gap:
                         continue
-                    shift = costs[item] - costs[other]
-                    if loads[rank] + shift > self.capacity or loads[busiest] - shift > self.capacity:
+                    shift = item_cost - costs[other]
+                    if rank_load + shift > capacity or busiest_load - shift > capacity:
                         continue
-                    peak = max(top - delta, mem[rank] + delta)
+                    peak = max(top - delta, rank_memory + delta)
                     if best is not None and (peak, item, other) >= best:
                         continue
                     owner[item], owner[other] = rank, busiest
