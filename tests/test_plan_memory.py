@@ -96,10 +96,9 @@ def test_memory_comes_second_to_the_makespan_on_qwen3_8b():
         assert max(plan.rank_costs()) <= max(before_cost) * (1 + 1e-9)
         assert max(plan.rank_costs()) <= 1.02 * max(lpt_loads(plan.costs, world))
         average = sum(plan.memory) / world
-        if world == 32:  # 1.09 x the average (4.93 before)
-            assert max(plan.rank_memory()) <= 1.25 * average
-        else:  # at DP 64 the makespan is LPT's and the cost-only plan's; 1.43 x (4.80 before)
-            assert max(plan.rank_memory()) <= 0.5 * max(before_memory)
+        # DP 32: 1.09 x the average (4.93 before); DP 64: 1.16 x (4.80 before) at LPT's makespan.
+        assert max(plan.rank_memory()) <= 1.25 * average
+        assert max(before_memory) > 4 * average
 
 
 def test_memory_cap_trades_step_time_and_errors_name_the_bound():

@@ -26,7 +26,8 @@ no memory limit gives the pouring's makespan (what LPT does with small items: fi
 ranks). Rocks come from the cost plan itself; from the cost portfolio run on the rocks alone
 (also with the first or last ranks kept for the sand at bucket ends); from the portfolio run with
 sand merged into grains, weighed by its cost or by its bytes; from the exact two-bucket optimum;
-and, when memory misses the target, from the portfolio run on the bytes.
+and, when memory misses the target, from the portfolio run on the bytes and on cost plus bytes
+blended at a few weights (``BLEND_WEIGHTS``).
 
 A local search (:class:`MemorySearch`) then moves an item off the busiest-memory rank, or swaps
 it for a lighter one, within its bucket neighbours' ranks and the element caps, where no rank's
@@ -61,6 +62,9 @@ MAKESPAN_TOLERANCE = 0.005
 MEMORY_OVER_AVERAGE = 1.25
 MEMORY_OVER_LARGEST = 1.05
 MAKESPAN_OVER_LPT = 0.02
+# When memory misses the target, rocks also come from the cost portfolio run on cost + w x bytes
+# (bytes in cost units: an average rank's bytes weigh an average rank's cost), for each w here.
+BLEND_WEIGHTS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0)
 # Rounds of pouring the sand again around the rocks a memory search has moved.
 REPOUR_ROUNDS = 2
 # Sand worth less than this fraction of an average rank (in cost and in memory) cannot change
@@ -328,7 +332,7 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
     added: list[bool] = []
 
     def add_memory_rocks() -> None:
-        """Rocks from the cost portfolio run on the bytes: the fewest bytes the packers reach (once)."""
+        """Rocks from the cost portfolio run on the bytes, and on cost and bytes blended (once)."""
         if added or problem.capped:
             return
         added.append(True)
@@ -336,6 +340,13 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
         candidates.append(memory_rocks)
         if pourable:
             pourings.append(_Pouring(problem, memory, sand, memory_rocks))
+        exchange = sum(problem.costs) / total_memory if total_memory > 0 else 0.0
+        for weight in BLEND_WEIGHTS:
+            blend = [c + weight * exchange * m for c, m in zip(problem.costs, memory)]
+            blended = balance(problem.numels, blend, problem.buckets, world, 1.0)
+            candidates.append(blended)
+            if pourable:
+                pourings.append(_Pouring(problem, memory, sand, blended))
 
     owner, peak = best_at(makespan)
     if peak > memory_target:
