@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 from ._loads import LoadTree
 from ._packing import Assignment, LocalSearch, Problem, _assignment, balance
+from ._three_chains import owner_at
 from ._two_chains import optimal_owner
 
 # Relative gap at which a bisection (on the memory or the cost capacity) stops.
@@ -294,12 +295,22 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
     pourings = [_Pouring(problem, memory, sand, owner) for owner in rock_plans] if pourable else []
     for pouring in pourings:
         candidates.append(pouring.fewest_cost(problem.lower_bound()))
+    lpt_makespan = _lpt_makespan(problem.costs, world)
+    if min(_max_load(world, owner, problem.costs) for owner in candidates) > (1.0 + MAKESPAN_OVER_LPT) * lpt_makespan:
+        # Three buckets (a small tied model, its embedding split off) and no packing within the
+        # target: the exact search, at LPT's makespan or at the target.
+        three = owner_at(problem, [lpt_makespan, (1.0 + MAKESPAN_OVER_LPT) * lpt_makespan])
+        if three is not None:
+            candidates.append(three)
+            if pourable:
+                pourings.append(_Pouring(problem, memory, sand, three))
+                candidates.append(pourings[-1].fewest_cost(problem.lower_bound()))
     # The makespan: the best found (give or take MAKESPAN_TOLERANCE); up to the budget if that buys
     # memory down to the target, never above the cost portfolio's own plan (see the module docstring).
     best_makespan = min(_max_load(world, owner, problem.costs) for owner in candidates)
     portfolio_makespan = _max_load(world, ceiling_owner, problem.costs)
     makespan = min(portfolio_makespan, best_makespan * (1.0 + MAKESPAN_TOLERANCE))
-    over_lpt = (1.0 + MAKESPAN_OVER_LPT) * _lpt_makespan(problem.costs, world)
+    over_lpt = (1.0 + MAKESPAN_OVER_LPT) * lpt_makespan
     budget = min(portfolio_makespan, max(makespan, over_lpt))
     memory_target = max(MEMORY_OVER_AVERAGE * total_memory / world,
                         MEMORY_OVER_LARGEST * max(memory, default=0.0))
