@@ -304,6 +304,29 @@ def test_non_matrix_tensors_are_planned_in_pieces_inside_their_bucket(strategy: 
                                                   split_numel=None).digest()
 
 
+def test_split_buckets_refine_the_joint_ones() -> None:
+    """Each tensor in pieces is alone in its bucket; every other boundary is one of the joint buckets'."""
+    rng = random.Random(11)
+    for _ in range(200):
+        specs = random_specs(rng, rng.randint(1, 30))
+        total = sum(spec.numel for spec in specs)
+        bucket = rng.randint(1, 2 * total)
+        split = rng.randint(1, 300)
+        joint = plan_buckets(specs, bucket)
+        fine = plan_buckets(specs, bucket, split_numel=split)
+        assert fine[0][0] == 0 and fine[-1][1] == len(specs)
+        assert all(a[1] == b[0] for a, b in zip(fine, fine[1:])), "contiguous, in order"
+        joint_edges = {first for first, _ in joint}
+        for first, stop in fine:
+            pieced = [i for i in range(first, stop) if not specs[i].matrix and specs[i].numel > split]
+            if pieced:
+                assert (first, stop) == (pieced[0], pieced[0] + 1), "a tensor in pieces has its bucket alone"
+            elif first not in joint_edges:
+                assert first - 1 >= 0 and not specs[first - 1].matrix and specs[first - 1].numel > split
+        for first, _ in joint:
+            assert any(f == first for f, _ in fine), "every joint boundary stays"
+
+
 def test_pieces_lift_the_embedding_floor_on_qwen3_8b() -> None:
     """Whole, the 151936 x 4096 AdamW embedding alone is 1.86x a rank's share at DP=128."""
     specs = model_specs("qwen3-8b")

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..cli import Command
-from ..plan import ParamSpec, cost_model, lpt_loads, model_specs, plan_buckets, plan_dp_partitions
+from ..plan import DPPlan, ParamSpec, cost_model, lpt_loads, model_specs, plan_buckets, plan_dp_partitions
 from ..plan.dp import DEFAULT_SPLIT_NUMEL, MemoryCapError, alpha_balanced
 
 __all__ = ["BALANCE", "FAMILY_CONFIGS", "PLAN_SPEED", "BalanceRow", "MemoryRow", "SweepRow", "alpha_sweep",
@@ -183,8 +183,10 @@ def memory_study(sources: Sequence[tuple[str, list[ParamSpec]]], dp_sizes: Seque
             plan = plan_dp_partitions(specs, world_size=dp, bucket_numel=MEMORY_BUCKET, cost=roofline,
                                       split_numel=DEFAULT_SPLIT_NUMEL)
             seconds = time.process_time() - started
-            ranges = [(bucket.first, bucket.stop) for bucket in plan.buckets]
-            before, _ = alpha_balanced([spec.numel for spec in plan.specs], list(plan.costs), ranges, dp)
+            # Before: the cost-only packing on the buckets as they were (tensors in pieces sharing
+            # buckets with their neighbours), which is also a plan on the default plan's buckets.
+            before, _ = alpha_balanced([spec.numel for spec in plan.specs], list(plan.costs),
+                                       joint_item_buckets(plan, plan_buckets(specs, MEMORY_BUCKET)), dp)
             cost_before, memory_before = [0.0] * dp, [0.0] * dp
             for item, rank in enumerate(before):
                 cost_before[rank] += plan.costs[item]
@@ -208,6 +210,15 @@ def memory_study(sources: Sequence[tuple[str, list[ParamSpec]]], dp_sizes: Seque
                 memory_target=target, largest_memory=plan.specs[largest].name, seconds=seconds,
                 cost_at_target=cost_at_target))
     return rows
+
+
+def joint_item_buckets(plan: DPPlan, tensor_buckets: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``tensor_buckets`` (ranges over the planner's input tensors) as ranges over ``plan``'s items."""
+    first_item: dict[int, int] = {}
+    for item, (tensor, _, _) in enumerate(plan.pieces):
+        first_item.setdefault(tensor, item)
+    first_item[len(first_item)] = len(plan.pieces)
+    return [(first_item[first], first_item[stop]) for first, stop in tensor_buckets]
 
 
 def memory_markdown(rows: Sequence[MemoryRow]) -> str:

@@ -8,7 +8,10 @@ that makespan C, the smallest busiest-rank memory (bytes of master, optimizer st
 segment, from a ``MemoryModel``). If that memory is above the target (``MEMORY_OVER_AVERAGE`` x
 the average, ``MEMORY_OVER_LARGEST`` x the largest item), C may rise to the least value that
 reaches it, within ``MAKESPAN_OVER_LPT`` of unconstrained LPT and never above the cost portfolio's
-plan. A hard cap raises C as far as needed.
+plan. That plan is the planner's before memory counted: when tensors in pieces have buckets of their
+own (``plan_buckets``), the cost portfolio on the joint buckets they had before (``reference_owner``,
+a valid plan on the finer buckets too), which also joins the candidates. A hard cap raises C as
+far as needed.
 
 Rocks and sand. Matrices are *rocks*: few, lumpy, and they set the makespan. Non-matrix items
 (norms, biases and the pieces of embeddings and heads) are *sand*: fine-grained, cheap per byte
@@ -23,11 +26,14 @@ no memory limit gives the pouring's makespan (what LPT does with small items: fi
 ranks). Rocks come from the cost plan itself; from the cost portfolio run on the rocks alone
 (also with the first or last ranks kept for the sand at bucket ends); from the portfolio run with
 sand merged into grains, weighed by its cost or by its bytes; from the exact two-bucket optimum;
-and, when memory misses the target, from the portfolio run on the bytes.
+and, when memory misses the target, from the portfolio run on the bytes and on cost plus bytes
+blended at a few weights (``BLEND_WEIGHTS``).
 
 A local search (:class:`MemorySearch`) then moves an item off the busiest-memory rank, or swaps
 it for a lighter one, within its bucket neighbours' ranks and the element caps, where no rank's
-cost goes above C and the busiest memory strictly drops.
+cost goes above C and the busiest memory strictly drops. Where that leaves memory above the
+target, the sand is poured again around the rocks as the search left them, and searched again
+(``REPOUR_ROUNDS``): a search moves one item at a time, a pouring moves a whole run.
 
 Under ``alpha < 1`` (element caps per segment) the pouring is skipped: memory is improved by the
 local search alone, which respects the caps.
@@ -41,6 +47,7 @@ from dataclasses import dataclass
 
 from ._loads import LoadTree
 from ._packing import Assignment, LocalSearch, Problem, _assignment, balance
+from ._three_chains import owner_at
 from ._two_chains import optimal_owner
 
 # Relative gap at which a bisection (on the memory or the cost capacity) stops.
@@ -56,6 +63,11 @@ MAKESPAN_TOLERANCE = 0.005
 MEMORY_OVER_AVERAGE = 1.25
 MEMORY_OVER_LARGEST = 1.05
 MAKESPAN_OVER_LPT = 0.02
+# When memory misses the target, rocks also come from the cost portfolio run on cost + w x bytes
+# (bytes in cost units: an average rank's bytes weigh an average rank's cost), for each w here.
+BLEND_WEIGHTS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0)
+# Rounds of pouring the sand again around the rocks a memory search has moved.
+REPOUR_ROUNDS = 2
 # Sand worth less than this fraction of an average rank (in cost and in memory) cannot change
 # either criterion much: the rock-only portfolio is not run for it (it keeps large inputs fast).
 SAND_WORTH_PACKING = 0.25
@@ -173,7 +185,9 @@ class MemorySearch(LocalSearch):
                 return
 
     def _best_memory_move(self, busiest: int) -> bool:
-        loads, mem, costs, memory = self.state.loads, self.memory_loads, self.problem.costs, self.memory
+        # Plain lists of the loads: nothing moves until the best move is chosen.
+        loads, mem = self.state.loads.loads(), self.memory_loads.loads()
+        costs, memory = self.problem.costs, self.memory
         top = mem[busiest]
         best: tuple[float, int, int] | None = None
         for item in self.on_rank[busiest]:
@@ -194,25 +208,30 @@ class MemorySearch(LocalSearch):
         return True
 
     def _best_memory_swap(self, busiest: int) -> bool:
-        loads, mem, costs, memory, owner = self.state.loads, self.memory_loads, self.problem.costs, self.memory, \
-            self.state.owner
+        # Plain lists of the loads: nothing moves until the best swap is chosen.
+        loads, mem = self.state.loads.loads(), self.memory_loads.loads()
+        costs, memory, owner, capacity = self.problem.costs, self.memory, self.state.owner, self.capacity
         top = mem[busiest]
+        busiest_load = loads[busiest]
         best: tuple[float, int, int] | None = None
         for item in self.on_rank[busiest]:
             low, high = self._window(item)
+            item_memory, item_cost = memory[item], costs[item]
             for rank in range(low, high + 1):
-                gap = top - mem[rank]
+                rank_memory = mem[rank]
+                gap = top - rank_memory
                 if rank == busiest or gap <= 0.0:
                     continue
+                rank_load = loads[rank]
                 self.budget -= len(self.on_rank[rank])
                 for other in self.on_rank[rank]:
-                    delta = memory[item] - memory[other]
+                    delta = item_memory - memory[other]
                     if not 0.0 < delta < gap:
                         continue
-                    shift = costs[item] - costs[other]
-                    if loads[rank] + shift > self.capacity or loads[busiest] - shift > self.capacity:
+                    shift = item_cost - costs[other]
+                    if rank_load + shift > capacity or busiest_load - shift > capacity:
                         continue
-                    peak = max(top - delta, mem[rank] + delta)
+                    peak = max(top - delta, rank_memory + delta)
                     if best is not None and (peak, item, other) >= best:
                         continue
                     owner[item], owner[other] = rank, busiest
@@ -237,7 +256,7 @@ class MemorySearch(LocalSearch):
 
 
 def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_owner: list[int],
-        *, memory_cap: float | None = None) -> FitResult:
+        *, memory_cap: float | None = None, reference_owner: list[int] | None = None) -> FitResult:
     """The lexicographic plan: least makespan, then least busiest memory (see the module docstring).
 
     With ``memory_cap``, a plan over the cap is not accepted: the makespan is raised (bisection on
@@ -246,6 +265,13 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
     world = problem.world
     candidates = [cost_owner]
     rock_plans = [cost_owner]
+    # The planner's step time before memory counted: the cost-only plan on the joint buckets when
+    # given (valid here too), else on these.
+    ceiling_owner = cost_owner
+    if reference_owner is not None:
+        candidates.append(reference_owner)
+        rock_plans.append(reference_owner)
+        ceiling_owner = reference_owner
     total_memory = sum(memory)
     memory_bound = max(total_memory / world, max(memory, default=0.0))
     rocks = [item for item, is_sand in enumerate(sand) if not is_sand]
@@ -269,12 +295,22 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
     pourings = [_Pouring(problem, memory, sand, owner) for owner in rock_plans] if pourable else []
     for pouring in pourings:
         candidates.append(pouring.fewest_cost(problem.lower_bound()))
+    lpt_makespan = _lpt_makespan(problem.costs, world)
+    if min(_max_load(world, owner, problem.costs) for owner in candidates) > (1.0 + MAKESPAN_OVER_LPT) * lpt_makespan:
+        # Three buckets (a small tied model, its embedding split off) and no packing within the
+        # target: the exact search, at LPT's makespan or at the target.
+        three = owner_at(problem, [lpt_makespan, (1.0 + MAKESPAN_OVER_LPT) * lpt_makespan])
+        if three is not None:
+            candidates.append(three)
+            if pourable:
+                pourings.append(_Pouring(problem, memory, sand, three))
+                candidates.append(pourings[-1].fewest_cost(problem.lower_bound()))
     # The makespan: the best found (give or take MAKESPAN_TOLERANCE); up to the budget if that buys
     # memory down to the target, never above the cost portfolio's own plan (see the module docstring).
     best_makespan = min(_max_load(world, owner, problem.costs) for owner in candidates)
-    portfolio_makespan = _max_load(world, cost_owner, problem.costs)
+    portfolio_makespan = _max_load(world, ceiling_owner, problem.costs)
     makespan = min(portfolio_makespan, best_makespan * (1.0 + MAKESPAN_TOLERANCE))
-    over_lpt = (1.0 + MAKESPAN_OVER_LPT) * _lpt_makespan(problem.costs, world)
+    over_lpt = (1.0 + MAKESPAN_OVER_LPT) * lpt_makespan
     budget = min(portfolio_makespan, max(makespan, over_lpt))
     memory_target = max(MEMORY_OVER_AVERAGE * total_memory / world,
                         MEMORY_OVER_LARGEST * max(memory, default=0.0))
@@ -288,19 +324,26 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
                 options.append(poured)
         chosen: tuple[float, list[int]] | None = None
         for owner in options:
-            assignment = _assignment(problem, list(owner))
-            search = MemorySearch(problem, assignment, memory, capacity, budget=_memory_budget(problem))
-            search.run()
-            key = (search.memory_loads.max_load(), assignment.owner)
-            if chosen is None or key < chosen:
-                chosen = key
+            for _ in range(REPOUR_ROUNDS + 1 if pourable and not problem.capped else 1):
+                assignment = _assignment(problem, list(owner))
+                search = MemorySearch(problem, assignment, memory, capacity, budget=_memory_budget(problem))
+                search.run()
+                key = (search.memory_loads.max_load(), assignment.owner)
+                if chosen is None or key < chosen:
+                    chosen = key
+                if key[0] <= memory_target:
+                    break
+                # The search moved rocks: pour the sand again around them.
+                owner = _Pouring(problem, memory, sand, assignment.owner).fewest_memory(capacity, memory_bound)
+                if owner is None:
+                    break
         assert chosen is not None
         return chosen[1], chosen[0]
 
     added: list[bool] = []
 
     def add_memory_rocks() -> None:
-        """Rocks from the cost portfolio run on the bytes: the fewest bytes the packers reach (once)."""
+        """Rocks from the cost portfolio run on the bytes, and on cost and bytes blended (once)."""
         if added or problem.capped:
             return
         added.append(True)
@@ -308,6 +351,13 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
         candidates.append(memory_rocks)
         if pourable:
             pourings.append(_Pouring(problem, memory, sand, memory_rocks))
+        exchange = sum(problem.costs) / total_memory if total_memory > 0 else 0.0
+        for weight in BLEND_WEIGHTS:
+            blend = [c + weight * exchange * m for c, m in zip(problem.costs, memory)]
+            blended = balance(problem.numels, blend, problem.buckets, world, 1.0)
+            candidates.append(blended)
+            if pourable:
+                pourings.append(_Pouring(problem, memory, sand, blended))
 
     owner, peak = best_at(makespan)
     if peak > memory_target:

@@ -231,6 +231,8 @@ def pack_frontier(problem: Problem, capacity: float) -> Assignment:
     capacity says, so this always returns a complete assignment; the caller compares its busiest
     load with ``capacity``.
     """
+    if not problem.capped:
+        return _pack_frontier_uncapped(problem, capacity)
     numels, costs, caps, world, buckets = problem.numels, problem.costs, problem.caps, problem.world, problem.buckets
     owner = [0] * len(numels)
     loads = [0.0] * world
@@ -279,6 +281,32 @@ def pack_frontier(problem: Problem, capacity: float) -> Assignment:
                 break
             place(-heads[index][1], rank)
     assert not heads, "the last rank takes every remaining head"
+    return _assignment(problem, owner)
+
+
+def _pack_frontier_uncapped(problem: Problem, capacity: float) -> Assignment:
+    """:func:`pack_frontier` without element caps: the same placements, without the deadline bookkeeping.
+
+    Every head's deadline is then the last rank, which takes whatever the others left.
+    """
+    costs, world, buckets = problem.costs, problem.world, problem.buckets
+    owner = [world - 1] * len(costs)
+    head = [first for first, _ in buckets]
+    stops = [stop for _, stop in buckets]
+    heads = sorted((costs[first], -b) for b, (first, _) in enumerate(buckets))
+    for rank in range(world - 1):
+        load = 0.0
+        while heads:
+            index = bisect.bisect_right(heads, (capacity - load, 0)) - 1
+            if index < 0:
+                break
+            cost, negative = heads.pop(index)
+            param = head[-negative]
+            owner[param] = rank
+            load += cost
+            head[-negative] = param + 1
+            if param + 1 < stops[-negative]:
+                bisect.insort(heads, (costs[param + 1], negative))
     return _assignment(problem, owner)
 
 

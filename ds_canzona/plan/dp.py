@@ -39,13 +39,13 @@ import hashlib
 import heapq
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ._memory_fit import MemoryCapUnreachable, fit
 from ._packing import Problem, balance, min_max_segment, segment_caps
-from .cost import CostModel, cost_model
+from .cost import CostModel, FlopsCost, NumelCost, RooflineCost, cost_model
 from .memory import MemoryModel, StateMemory
 from .specs import ParamSpec, PlanError
 
@@ -286,10 +286,35 @@ def piece_bounds(numel: int, split_numel: int | None) -> list[tuple[int, int]]:
     return [(start, min(start + split_numel, numel)) for start in range(0, numel, split_numel)]
 
 
+# The project's own models price a spec by its shape, kind and TP layout alone, never its name.
+_SHAPE_PRICED = (NumelCost, FlopsCost, RooflineCost, StateMemory)
+
+
+def _priced(model: object, price: Callable[[ParamSpec], float], specs: Sequence[ParamSpec]) -> list[float]:
+    """``price(spec)`` for every spec, as floats; computed once per shape for the project's own models.
+
+    A deep model repeats a few shapes thousands of times. A model of the user's own may read
+    anything, the name included, so it is asked about every spec.
+    """
+    if type(model) not in _SHAPE_PRICED:
+        return [float(price(spec)) for spec in specs]
+    seen: dict[tuple[Any, ...], float] = {}
+    values = []
+    for spec in specs:
+        key = (spec.shape, spec.matrix, spec.tp_dim, spec.tp_size, spec.heads)
+        value = seen.get(key)
+        if value is None:
+            value = seen[key] = float(price(spec))
+        values.append(value)
+    return values
+
+
 def _expand_pieces(
     specs: Sequence[ParamSpec], ranges: Sequence[tuple[int, int]], split_numel: int | None
 ) -> tuple[tuple[ParamSpec, ...], tuple[tuple[int, int, int], ...], list[tuple[int, int]]]:
     """Items (piece specs), their ``(tensor, start, stop)``, and the bucket ranges over items."""
+    if split_numel is None:
+        return tuple(specs), tuple((index, 0, spec.numel) for index, spec in enumerate(specs)), list(ranges)
     items: list[ParamSpec] = []
     pieces: list[tuple[int, int, int]] = []
     first_item: list[int] = []
@@ -306,11 +331,18 @@ def _expand_pieces(
     return tuple(items), tuple(pieces), [(first_item[first], first_item[stop]) for first, stop in ranges]
 
 
-def plan_buckets(specs: Sequence[ParamSpec], bucket_numel: int) -> list[tuple[int, int]]:
+def plan_buckets(specs: Sequence[ParamSpec], bucket_numel: int, *,
+                 split_numel: int | None = None) -> list[tuple[int, int]]:
     """Consecutive params, in buffer order, grouped into ``(first, stop)`` buckets.
 
     A bucket closes when the next param would take it past ``bucket_numel`` elements; a param
-    larger than that gets a bucket of its own.
+    larger than that gets a bucket of its own. With ``split_numel``, every tensor planned in
+    pieces (a non-matrix tensor above ``split_numel`` elements: an embedding, a head) is then
+    split off its bucket into a bucket of its own, so its pieces form a chain that may spread
+    over any ranks. Sharing a bucket with the first (or last) layers, they could only go to the
+    ranks up to (from) the owner of that bucket's first (last) matrix, and those few ranks would
+    hold most of the model's AdamW state. The other boundaries stay where they were, so every
+    plan on the buckets without ``split_numel`` is a plan on these.
     """
     _check_positive_int("bucket_numel", bucket_numel)
     buckets = []
@@ -322,7 +354,21 @@ def plan_buckets(specs: Sequence[ParamSpec], bucket_numel: int) -> list[tuple[in
         filled += spec.numel
     if specs:
         buckets.append((first, len(specs)))
-    return buckets
+    if split_numel is None:
+        return buckets
+    split: list[tuple[int, int]] = []
+    for first, stop in buckets:
+        start = first
+        for index in range(first, stop):
+            spec = specs[index]
+            if not spec.matrix and spec.numel > split_numel:
+                if start < index:
+                    split.append((start, index))
+                split.append((index, index + 1))
+                start = index + 1
+        if start < stop:
+            split.append((start, stop))
+    return split
 
 
 def plan_dp_partitions(
@@ -365,15 +411,19 @@ def plan_dp_partitions(
         _check_positive_int("max_state_bytes_per_rank", max_state_bytes_per_rank)
     model = cost if cost is not None else cost_model("roofline", "muon")
     memory_model = memory if memory is not None else StateMemory()
-    tensor_ranges = plan_buckets(specs, bucket_numel)
+    tensor_ranges = plan_buckets(specs, bucket_numel, split_numel=split_numel)
+    # The buckets before tensors in pieces had buckets of their own: every plan on them is a plan
+    # on the finer buckets, and the cost-only plan on them is the step time never to exceed.
+    joint_ranges = plan_buckets(specs, bucket_numel) if split_numel is not None else tensor_ranges
+    joint = _expand_pieces(specs, joint_ranges, split_numel)[2] if joint_ranges != tensor_ranges else None
     specs, pieces, ranges = _expand_pieces(specs, tensor_ranges, split_numel)
-    costs = tuple(float(model.cost(spec)) for spec in specs)
+    costs = tuple(_priced(model, model.cost, specs))
     for spec, value in zip(specs, costs):
         if not (value >= 0.0 and math.isfinite(value)):
             raise PlanError(
                 f"Cost model {model.label} gave {value!r} for {spec.name!r}: costs must be finite and >= 0."
             )
-    item_bytes = tuple(float(memory_model.bytes(spec)) for spec in specs)
+    item_bytes = tuple(_priced(memory_model, memory_model.bytes, specs))
 
     numels = [spec.numel for spec in specs]
     if strategy == "uniform":
@@ -384,7 +434,8 @@ def plan_dp_partitions(
         try:
             owner, cuts = alpha_balanced(numels, list(costs), ranges, world_size, alpha=float(alpha),
                                          memory=item_bytes, sand=[not spec.matrix for spec in specs],
-                                         memory_cap=max_state_bytes_per_rank)
+                                         memory_cap=max_state_bytes_per_rank,
+                                         joint_buckets=joint)
         except MemoryCapUnreachable as unreachable:
             assert max_state_bytes_per_rank is not None
             raise _cap_error(specs, item_bytes, world_size, max_state_bytes_per_rank,
@@ -469,6 +520,7 @@ def alpha_balanced(
     memory: Sequence[float] | None = None,
     sand: Sequence[bool] | None = None,
     memory_cap: float | None = None,
+    joint_buckets: Sequence[tuple[int, int]] | None = None,
 ) -> tuple[list[int], list[list[int]]]:
     """Balance the cost over ranks, then the memory; ``alpha`` trades element evenness for compute balance.
 
@@ -497,12 +549,20 @@ def alpha_balanced(
     rank's memory is minimised second, at the makespan found (and a hard ``memory_cap`` is bought
     with makespan if needed): see ``ds_canzona.plan._memory_fit``. Without ``memory``, cost alone
     decides, as before memory was a criterion.
+
+    ``joint_buckets``: a coarser bucketing of the same items (each of ``buckets`` inside one of
+    them), the layout before tensors in pieces got buckets of their own. Its cost-only plan is
+    also a plan here; with memory it is the makespan the result never exceeds (the planner's step
+    time before either change), and a candidate.
     """
     owner = balance(numels, costs, buckets, world_size, alpha)
     if memory is not None:
         problem = Problem(numels, costs, buckets, world_size, segment_caps(numels, buckets, world_size, alpha))
+        reference = None
+        if joint_buckets is not None and not problem.capped:
+            reference = balance(numels, costs, joint_buckets, world_size, alpha)
         owner = fit(problem, memory, sand if sand is not None else [False] * len(numels), owner,
-                    memory_cap=memory_cap).owner
+                    memory_cap=memory_cap, reference_owner=reference).owner
     return owner, [_cuts_from_owners(numels, owner, first, stop, world_size) for first, stop in buckets]
 
 
