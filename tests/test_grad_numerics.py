@@ -182,7 +182,7 @@ def test_numerics_keys_that_cannot_be_honoured_are_refused_at_init(spawned):
     ({"gradient_average": False, "gradient_predivide_factor": 2.0}, 1.0, 1.0),  # gradient_allreduce_op "sum"
 ])
 def test_pre_and_post_division_follow_deepspeeds_rules(keys, pre, post):
-    from ds_canzona.zero.stage12 import gradient_reduction
+    from ds_canzona.zero.reduction import gradient_reduction
     reduction = gradient_reduction(param_dtype=torch.bfloat16, world_size=3, **keys)
     assert (reduction.pre_divide, reduction.post_divide) == (pre, post)
     assert reduction.accumulate_dtype == reduction.communicate_dtype == torch.bfloat16  # DeepSpeed's defaults

@@ -375,7 +375,7 @@ def train_runs(rank: int, world_size: int, runs: list[dict]) -> list[dict]:
 
 def _train_run(rank: int, world_size: int, run: dict) -> dict:
     from ds_canzona.config import CanzonaConfigError
-    from ds_canzona.zero.stage12 import GradientAfterReductionError
+    from ds_canzona.zero.owned import GradientAfterReductionError
 
     config = run["config"]
     name, kwargs = run["model"]

@@ -139,7 +139,8 @@ def _synchronous_class():
     import deepspeed.comm as dist
 
     from ds_canzona.optim import rule_for_group
-    from ds_canzona.zero.stage12 import CanzonaZeroOptimizer, OwnedTensor
+    from ds_canzona.zero.owned import OwnedTensor
+    from ds_canzona.zero.stage12 import CanzonaZeroOptimizer
     from ds_canzona.zero.tp import CanzonaTPZeroOptimizer
 
     class Synchronous(CanzonaTPZeroOptimizer):

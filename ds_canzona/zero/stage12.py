@@ -40,22 +40,14 @@ from __future__ import annotations
 
 import torch
 
-import deepspeed.comm as dist
-from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.base_optimizer import ZeROOptimizer
-from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
-
 from ds_canzona.config import CANZONA_SECTION, CanzonaConfig, CanzonaConfigError
 from ds_canzona.optim import rule_for_group
-from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
-from ds_canzona.plan import CostModel, DPPlan, MemoryCapError, ParamSpec, StateMemory, memory_model, plan_dp_partitions
-from ds_canzona.zero.comm import (CommCounter, PlanMismatchError, all_gather_uneven, all_reduce_sum,  # noqa: F401
-                                  check_digest_agreement, reduce_scatter_uneven)
+from ds_canzona.plan import DPPlan, MemoryCapError, ParamSpec, StateMemory, memory_model, plan_dp_partitions
+from ds_canzona.zero.comm import all_gather_uneven, check_digest_agreement, reduce_scatter_uneven
 from ds_canzona.zero.compat import at_accumulation_boundary
 from ds_canzona.zero.layout import BufferLayout
-# Shared with the ZeRO-3 runtime; these names stay importable from here.
-from ds_canzona.zero.owned import GradientAfterReductionError, OwnedTensor, parameter_groups  # noqa: F401
-from ds_canzona.zero.reduction import GradientReduction, gradient_reduction  # noqa: F401
+from ds_canzona.zero.owned import GradientAfterReductionError, OwnedTensor
+from ds_canzona.zero.owner_runtime import OwnerRuntime
 
 # Stage 2 reduce-scatters launched and not yet waited on. One is not enough on a busy host: the
 # next bucket's gradients then wait inside backward for the previous collective (measured with
@@ -64,7 +56,7 @@ from ds_canzona.zero.reduction import GradientReduction, gradient_reduction  # n
 REDUCE_SCATTERS_IN_FLIGHT = 2
 
 
-class CanzonaZeroOptimizer(ZeROOptimizer):
+class CanzonaZeroOptimizer(OwnerRuntime):
     """DeepSpeed ZeRO stage 1/2 optimizer in which every matrix is owned whole by one rank.
 
     ``optimizer`` is a ``ds_canzona.optim`` optimizer: its ``param_groups`` (with 'kind' and
@@ -82,58 +74,19 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
                  grad_accum_dtype: torch.dtype | None = None, communication_dtype: torch.dtype | None = None,
                  gradient_predivide_factor: float = 1.0, postscale_gradients: bool = True,
                  gradient_average: bool = True):
-        super().__init__()
         if stage not in (1, 2):
             raise ValueError(f"ds_canzona supports ZeRO stage 1 and 2, got {stage=}")
-        self.optimizer = optimizer
-        self.config = config
-        self.stage = stage
-        self.partition_gradients = stage == 2
-        self.dp_process_group = dp_process_group
-        # The clipping norm's all-reduce; the tensor-parallel runtime widens it to DP x TP.
-        self.norm_group = dp_process_group
-        self.clip_grad = float(clip_grad or 0.0)
-        self.world_size = dist.get_world_size(group=dp_process_group)
-        self.rank = dist.get_rank(group=dp_process_group)
-        self.device = torch.device(get_accelerator().current_device_name())
-        self.comm = CommCounter()
-        self.overflow = False
-        self._global_grad_norm = 0.0
-        self.custom_loss_scaler = False
-        self.external_loss_scale = None
-        self.torch_autocast_gradscaler = None
-
-        # Buffer order is the model's named_parameters() order, restricted to what the
-        # optimizer trains: every rank derives the same order from the same model.
-        group_of = parameter_groups(optimizer)
-        self.params: list[torch.nn.Parameter] = [p for p in param_names if p in group_of and p.requires_grad]
-        unknown = [p for p in group_of if p not in param_names]
-        if unknown:
-            raise ValueError(f"{len(unknown)} optimizer parameters are not parameters of the model")
-        if not self.params:
-            raise ValueError("the optimizer has no trainable parameters of the model")
-        self.names = [param_names[p] for p in self.params]
-        dtypes = {p.dtype for p in self.params}
-        if len(dtypes) != 1:
-            raise ValueError(f"ds_canzona needs one parameter dtype across the model, found {sorted(map(str, dtypes))}")
-        self.dtype = dtypes.pop()
-        self.groups = [group_of[p] for p in self.params]
-        self.reduction = gradient_reduction(
-            param_dtype=self.dtype, world_size=self.world_size, grad_accum_dtype=grad_accum_dtype,
-            communication_dtype=communication_dtype, gradient_average=gradient_average,
-            postscale_gradients=postscale_gradients, gradient_predivide_factor=gradient_predivide_factor)
+        super().__init__(optimizer, param_names=param_names, config=config, stage=stage,
+                         dp_process_group=dp_process_group, clip_grad=clip_grad, grad_accum_dtype=grad_accum_dtype,
+                         communication_dtype=communication_dtype, gradient_predivide_factor=gradient_predivide_factor,
+                         postscale_gradients=postscale_gradients, gradient_average=gradient_average)
 
         self.plan = self._make_plan(bucket_numel)
         self.layout = self._buffer_layout()
         self._check_plan_agreement()
-        # Printed, not logged at INFO: DeepSpeed's ranks log at WARNING by default, and a plan
-        # summary that nobody sees cannot be checked.
-        if config.log_plan and dist.get_rank() == 0:
-            print(self.plan_summary(), flush=True)
-
-        self.loss_scaler = CreateLossScaler(dtype=self.dtype, static_loss_scale=static_loss_scale,
-                                            dynamic_scaling=dynamic_loss_scale, dynamic_loss_args=dynamic_loss_args)
-        self.dynamic_loss_scale = self.loss_scaler.dynamic
+        self._print_plan_summary()
+        self._create_loss_scaler(static_loss_scale=static_loss_scale, dynamic_loss_scale=dynamic_loss_scale,
+                                 dynamic_loss_args=dynamic_loss_args)
 
         self._index_tensors()
         self._build_buffers()
@@ -177,10 +130,6 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
             return memory_model("muon", param_bytes=param_bytes)
         return memory_model(matrix_groups[0]["kind"], param_bytes=param_bytes,
                             **rule_for_group(matrix_groups[0]).cost_options())
-
-    def _plan_cost_model(self) -> CostModel:
-        from ds_canzona.zero.build import plan_cost_model  # each matrix priced by its own group's rule
-        return plan_cost_model(self.config, self.names, self.groups, get_accelerator().device_name())
 
     def _check_plan_agreement(self) -> None:
         """Compare the plan's digest across ranks before any other collective."""
@@ -411,85 +360,25 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
         self._finish_reduction()
 
     # ------------------------------------------------------------------ step
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def loss_scale(self) -> float:
-        return self.loss_scaler.cur_scale
-
-    @property
-    def cur_scale(self) -> float:
-        return self.loss_scaler.cur_scale
-
     def owned_gradients(self) -> dict[str, torch.Tensor]:
         """The averaged (unclipped) fp32 gradients of the owned tensors, for tests and tools."""
         self._finish_reduction()
         return {t.name: self._averaged_grad(t.index) for t in self._owned}
 
     def _averaged_grad(self, i: int) -> torch.Tensor:
-        grad = self._segment_grad(i).to(torch.float32, copy=True)
-        # In fp32, whatever the communication dtype: the division is then exact to fp32's
-        # rounding (DeepSpeed divides in the communication dtype).
-        if self.reduction.post_divide != 1.0:
-            grad.div_(self.reduction.post_divide)
-        if self.loss_scaler.cur_scale != 1.0:
-            grad.div_(self.loss_scaler.cur_scale)
-        return grad
+        return self._unscaled(self._segment_grad(i).to(torch.float32, copy=True))
 
-    @torch.no_grad()
-    def step(self, closure=None):
+    def _step_gradients(self) -> tuple[list[int], list[torch.Tensor]]:
         self._finish_reduction()
         items = self._step_items()
-        grads = [self._averaged_grad(j) for j in items]
-
-        # One collective for both the overflow check and clipping: every entry is non-zero on
-        # its owner only, so the all-reduced vector is exact, and its sum in buffer order is
-        # the same number on every rank and at every world size.
-        sq_norms = torch.zeros(len(self.plan.specs), dtype=torch.float64, device=self.device)
-        for j, g in zip(items, grads):
-            if self._counts_in_norm(j):
-                sq_norms[j] = tensor_sq_norm(g)
-        all_reduce_sum(sq_norms, group=self.norm_group, counter=self.comm, kind="all_reduce")
-        self.overflow = not bool(torch.isfinite(sq_norms).all())
-        self.loss_scaler.update_scale(self.overflow)
-        if self.overflow:
-            self._global_grad_norm = float("inf")
-            self.zero_grad()
-            return None
-
-        self._global_grad_norm, coefficient = clip_coefficient(sq_norms, self.clip_grad)
-        if coefficient < 1.0:
-            for g in grads:
-                g.mul_(coefficient)
-
-        self._update_owned(grads)
-        # This is the basic optimizer's step under ZeRO; its own step() never runs. torch's LR
-        # schedulers built on it (DeepSpeed hands engine.basic_optimizer to a scheduler callable,
-        # the HF Trainer's among them) read this flag to check it stepped before they do.
-        self.optimizer._opt_called = True
-        self.refresh_params_from_masters()
-        self.zero_grad()
-        return None
+        return items, [self._averaged_grad(j) for j in items]
 
     def _step_items(self) -> list[int]:
         """The plan items whose reduced gradient this rank reads in the step: what it owns."""
         return [t.index for t in self._owned]
 
-    def _counts_in_norm(self, item: int) -> bool:
-        """Whether this rank adds the item's squared norm (the tensor-parallel runtime counts replicas once)."""
-        return True
-
-    def _update_owned(self, grads: list[torch.Tensor]) -> None:
-        """Run each group's per-tensor rule on the owned tensors of that group (``grads`` as ``_step_items``)."""
-        for group in self.optimizer.param_groups:
-            members = [(t, g) for t, g in zip(self._owned, grads[:len(self._owned)]) if t.group is group]
-            if not members:
-                continue
-            # Every gradient is known finite here: the norm all-reduce already caught any overflow.
-            rule_for_group(group).update_([t.master for t, _ in members], [g for _, g in members],
-                                          [t.state for t, _ in members], lr=group["lr"], known_finite=True)
+    def _publish_updates(self) -> None:
+        self.refresh_params_from_masters()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for flat in self.grad_flat:
@@ -500,15 +389,6 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
         self._reset_reduction()
 
     # ------------------------------------------------------------------ engine glue
-    def backward(self, loss, retain_graph: bool = False):
-        self.enter_backward()
-        self.scale_if_loss(loss).backward(retain_graph=retain_graph)
-        self.backward_epilogue()
-        self.exit_backward()
-
-    def owned_tensors(self) -> list[OwnedTensor]:
-        return list(self._owned)
-
     @torch.no_grad()
     def refresh_params_from_masters(self) -> None:
         """Write owned masters into the low-precision params and all-gather every bucket."""
@@ -519,31 +399,3 @@ class CanzonaZeroOptimizer(ZeROOptimizer):
         for b in range(len(self.plan.buckets)):
             all_gather_uneven(self.param_flat[b], self.layout.bucket_cuts[b], self.rank, group=self.dp_process_group,
                               counter=self.comm)
-
-    # ------------------------------------------------------------------ checkpoint glue (zero/checkpoint/engine.py)
-    def checkpoint_ranks(self) -> tuple[int, int, object]:
-        """(rank, number of ranks, group) of the ranks that write one shard file each."""
-        return self.rank, self.world_size, self.dp_process_group
-
-    def item_file(self, item: int) -> int:
-        """The shard file (a ``checkpoint_ranks`` rank) that holds plan item ``item``."""
-        return self.plan.owner[item]
-
-    def checkpoint_items(self) -> list[OwnedTensor]:
-        """What this rank writes: its items with their plan shapes (logical under TP)."""
-        return self.owned_tensors()
-
-    def load_targets(self) -> list[OwnedTensor]:
-        """What this rank reads into, shaped as saved; ``after_load`` puts it in place."""
-        return self.owned_tensors()
-
-    def after_load(self) -> None:
-        self.refresh_params_from_masters()
-
-    def state_dict(self):
-        raise NotImplementedError("ds_canzona checkpoints are written by engine.save_checkpoint "
-                                  "(see ds_canzona.zero.checkpoint)")
-
-    def load_state_dict(self, *args, **kwargs):
-        raise NotImplementedError("ds_canzona checkpoints are read by engine.load_checkpoint "
-                                  "(see ds_canzona.zero.checkpoint)")

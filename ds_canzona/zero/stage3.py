@@ -40,27 +40,23 @@ from __future__ import annotations
 import torch
 
 import deepspeed.comm as dist
-from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.base_optimizer import ZeROOptimizer
-from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.utils.torch import register_grad_hook
 
 from ds_canzona.config import CanzonaConfig
 from ds_canzona.optim import rule_for_group
 from ds_canzona.optim.base import logical_shape
-from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
-from ds_canzona.plan import CostModel, ParamSpec, Zero3Plan, plan_zero3_owners
-from ds_canzona.zero.comm import CommCounter, all_reduce_sum, check_digest_agreement
+from ds_canzona.plan import ParamSpec, Zero3Plan, plan_zero3_owners
+from ds_canzona.zero.comm import check_digest_agreement
+from ds_canzona.zero.owned import GradientAfterReductionError, OwnedTensor
 from ds_canzona.zero.owner_placement import OwnerLayout
-from ds_canzona.zero.owned import GradientAfterReductionError, OwnedTensor, parameter_groups
-from ds_canzona.zero.reduction import gradient_reduction
+from ds_canzona.zero.owner_runtime import OwnerRuntime
 
 # Reduces launched and not yet waited on during backward; each holds one tensor's gradient.
 REDUCES_IN_FLIGHT = 4
 
 
-class CanzonaZero3Optimizer(ZeROOptimizer):
+class CanzonaZero3Optimizer(OwnerRuntime):
     """DeepSpeed ZeRO stage 3 optimizer whose shards are whole tensors on their owners.
 
     ``optimizer`` is a ``ds_canzona.optim`` optimizer (param groups with 'kind'); its rules run
@@ -75,52 +71,18 @@ class CanzonaZero3Optimizer(ZeROOptimizer):
                  grad_accum_dtype: torch.dtype | None = None, communication_dtype: torch.dtype | None = None,
                  gradient_predivide_factor: float = 1.0, postscale_gradients: bool = True,
                  gradient_average: bool = True):
-        super().__init__()
-        self.optimizer = optimizer
-        self.config = config
-        self.stage = 3
-        self.partition_gradients = True
+        super().__init__(optimizer, param_names=param_names, config=config, stage=3,
+                         dp_process_group=dp_process_group, clip_grad=clip_grad, grad_accum_dtype=grad_accum_dtype,
+                         communication_dtype=communication_dtype, gradient_predivide_factor=gradient_predivide_factor,
+                         postscale_gradients=postscale_gradients, gradient_average=gradient_average)
         self.module = module
-        self.dp_process_group = dp_process_group
-        self.clip_grad = float(clip_grad or 0.0)
-        self.world_size = dist.get_world_size(group=dp_process_group)
-        self.rank = dist.get_rank(group=dp_process_group)
-        self.device = torch.device(get_accelerator().current_device_name())
-        self.comm = CommCounter()
-        self.overflow = False
-        self._global_grad_norm = 0.0
-        self.custom_loss_scaler = False
-        self.external_loss_scale = None
-        self.torch_autocast_gradscaler = None
-
-        # Tensor order is the model's named_parameters() order, restricted to what the optimizer
-        # trains: every rank derives the same order from the same model.
-        group_of = parameter_groups(optimizer)
-        self.params: list[torch.nn.Parameter] = [p for p in param_names if p in group_of and p.requires_grad]
-        if any(p not in param_names for p in group_of):
-            raise ValueError("some optimizer parameters are not parameters of the model")
-        if not self.params:
-            raise ValueError("the optimizer has no trainable parameters of the model")
-        self.names = [param_names[p] for p in self.params]
-        self.groups = [group_of[p] for p in self.params]
-        self.logical_shapes = [logical_shape(p) for p in self.params]
-        dtypes = {p.dtype for p in self.params}
-        if len(dtypes) != 1:
-            raise ValueError(f"ds_canzona needs one parameter dtype across the model, found {sorted(map(str, dtypes))}")
-        self.dtype = dtypes.pop()
-        self.reduction = gradient_reduction(
-            param_dtype=self.dtype, world_size=self.world_size, grad_accum_dtype=grad_accum_dtype,
-            communication_dtype=communication_dtype, gradient_average=gradient_average,
-            postscale_gradients=postscale_gradients, gradient_predivide_factor=gradient_predivide_factor)
+        self.logical_shapes = [logical_shape(p) for p in self.params]  # ds_shape under zero.Init
 
         self.plan = self._make_plan()
         check_digest_agreement(self.plan.digest(), group=dp_process_group, device=self.device)
-        if config.log_plan and dist.get_rank() == 0:
-            print(self.plan_summary(), flush=True)
-
-        self.loss_scaler = CreateLossScaler(dtype=self.dtype, static_loss_scale=static_loss_scale,
-                                            dynamic_scaling=dynamic_loss_scale, dynamic_loss_args=dynamic_loss_args)
-        self.dynamic_loss_scale = self.loss_scaler.dynamic
+        self._print_plan_summary()
+        self._create_loss_scaler(static_loss_scale=static_loss_scale, dynamic_loss_scale=dynamic_loss_scale,
+                                 dynamic_loss_args=dynamic_loss_args)
 
         # DeepSpeed's ZeRO-3 machinery: converts a model not built under zero.Init (even layout),
         # then fetches and releases around each module. The owner layout replaces the layout of
@@ -149,10 +111,6 @@ class CanzonaZero3Optimizer(ZeROOptimizer):
                            heads=rule_for_group(group).plan_heads())
                  for name, shape, group in zip(self.names, self.logical_shapes, self.groups)]
         return plan_zero3_owners(specs, world_size=self.world_size, cost=self._plan_cost_model())
-
-    def _plan_cost_model(self) -> CostModel:
-        from ds_canzona.zero.build import plan_cost_model  # each matrix priced by its own group's rule
-        return plan_cost_model(self.config, self.names, self.groups, get_accelerator().device_name())
 
     def plan_summary(self) -> str:
         plan = self.plan
@@ -259,18 +217,6 @@ class CanzonaZero3Optimizer(ZeROOptimizer):
             release()
 
     # ------------------------------------------------------------------ step
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def loss_scale(self) -> float:
-        return self.loss_scaler.cur_scale
-
-    @property
-    def cur_scale(self) -> float:
-        return self.loss_scaler.cur_scale
-
     def owned_gradients(self) -> dict[str, torch.Tensor]:
         """The averaged (unclipped) fp32 gradients of the owned tensors, for tests and tools."""
         self._wait_reductions()
@@ -282,46 +228,16 @@ class CanzonaZero3Optimizer(ZeROOptimizer):
         accumulated = self._accumulated[i]
         if accumulated is None:
             return torch.zeros(self.logical_shapes[i], dtype=torch.float32, device=self.device)
-        grad = accumulated.to(torch.float32, copy=not consume).view(self.logical_shapes[i])
-        if self.reduction.post_divide != 1.0:
-            grad.div_(self.reduction.post_divide)
-        if self.loss_scaler.cur_scale != 1.0:
-            grad.div_(self.loss_scaler.cur_scale)
-        return grad
+        return self._unscaled(accumulated.to(torch.float32, copy=not consume).view(self.logical_shapes[i]))
 
-    @torch.no_grad()
-    def step(self, closure=None):
+    def _step_gradients(self) -> tuple[list[int], list[torch.Tensor]]:
         self._wait_reductions()
         # Nothing stays gathered across the update: the next forward fetches the new values.
         self.parameter_offload.partition_all_parameters()
-        grads = [self._averaged_grad(t.index, consume=True) for t in self._owned]
+        return [t.index for t in self._owned], [self._averaged_grad(t.index, consume=True) for t in self._owned]
 
-        # One collective for the overflow check and clipping: each entry is non-zero on its owner
-        # only, so the all-reduced vector is exact and its sum the same number on every rank.
-        sq_norms = torch.zeros(len(self.params), dtype=torch.float64, device=self.device)
-        for t, g in zip(self._owned, grads):
-            sq_norms[t.index] = tensor_sq_norm(g)
-        all_reduce_sum(sq_norms, group=self.dp_process_group, counter=self.comm, kind="all_reduce")
-        self.overflow = not bool(torch.isfinite(sq_norms).all())
-        self.loss_scaler.update_scale(self.overflow)
-        if self.overflow:
-            self._global_grad_norm = float("inf")
-            self.zero_grad()
-            return None
-
-        self._global_grad_norm, coefficient = clip_coefficient(sq_norms, self.clip_grad)
-        if coefficient < 1.0:
-            for g in grads:
-                g.mul_(coefficient)
-        for group in self.optimizer.param_groups:
-            members = [(t, g) for t, g in zip(self._owned, grads) if t.group is group]
-            if members:
-                rule_for_group(group).update_([t.master for t, _ in members], [g for _, g in members],
-                                              [t.state for t, _ in members], lr=group["lr"], known_finite=True)
-        self.optimizer._opt_called = True  # torch lr schedulers check that the basic optimizer stepped
+    def _publish_updates(self) -> None:
         self.write_masters_to_shards()
-        self.zero_grad()
-        return None
 
     def refresh_params_from_masters(self) -> None:
         """After masters were written (a checkpoint load): release every fetched copy, update the shards."""
@@ -341,33 +257,6 @@ class CanzonaZero3Optimizer(ZeROOptimizer):
             p.grad = None
 
     # ------------------------------------------------------------------ engine glue
-    def backward(self, loss, retain_graph: bool = False):
-        self.enter_backward()
-        self.scale_if_loss(loss).backward(retain_graph=retain_graph)
-        self.backward_epilogue()
-        self.exit_backward()
-
-    def owned_tensors(self) -> list[OwnedTensor]:
-        return list(self._owned)
-
-    # ------------------------------------------------------------------ checkpoint glue (zero/checkpoint/engine.py)
-    def checkpoint_ranks(self) -> tuple[int, int, object]:
-        """(rank, number of ranks, group) of the ranks that write one shard file each."""
-        return self.rank, self.world_size, self.dp_process_group
-
-    def item_file(self, item: int) -> int:
-        """The shard file that holds plan item ``item``: its owner's."""
-        return self.plan.owner[item]
-
-    def checkpoint_items(self) -> list[OwnedTensor]:
-        return self.owned_tensors()
-
-    def load_targets(self) -> list[OwnedTensor]:
-        return self.owned_tensors()
-
-    def after_load(self) -> None:
-        self.refresh_params_from_masters()
-
     def empty_partition_cache(self) -> None:
         self.parameter_offload.empty_partition_cache()
 
@@ -375,14 +264,6 @@ class CanzonaZero3Optimizer(ZeROOptimizer):
         for handle in self._hook_handles:
             handle.remove()
         self.parameter_offload.destroy()
-
-    def state_dict(self):
-        raise NotImplementedError("ds_canzona checkpoints are written by engine.save_checkpoint "
-                                  "(see ds_canzona.zero.checkpoint)")
-
-    def load_state_dict(self, *args, **kwargs):
-        raise NotImplementedError("ds_canzona checkpoints are read by engine.load_checkpoint "
-                                  "(see ds_canzona.zero.checkpoint)")
 
 
 __all__ = ["CanzonaZero3Optimizer"]

@@ -43,7 +43,9 @@ import deepspeed.comm as dist
 from ds_canzona.optim import rule_for_group
 from ds_canzona.plan import TPPlan, plan_tp_hosts, tp_host_bytes
 from ds_canzona.zero.layout import BufferLayout
-from ds_canzona.zero.stage12 import CanzonaZeroOptimizer, OwnedTensor, PlanMismatchError
+from ds_canzona.zero.comm import PlanMismatchError
+from ds_canzona.zero.owned import OwnedTensor
+from ds_canzona.zero.stage12 import CanzonaZeroOptimizer
 from ds_canzona.zero.tp_exchange import ExchangedMatrix, MicroGroupExchange
 from ds_canzona.zero.tp_layout import TPSplit, read_tp_splits
 

@@ -1,0 +1,219 @@
+"""What the ZeRO-1/2 and ZeRO-3 runtimes share: owners, one norm all-reduce, the per-tensor rules.
+
+Both runtimes (``stage12.CanzonaZeroOptimizer`` and its AutoTP subclass, ``stage3.CanzonaZero3Optimizer``)
+are DeepSpeed ZeRO optimizers in which each plan item has one owner rank that receives the item's
+whole averaged gradient and updates it alone. They differ in where parameters live and how
+gradients reach the owner; the rest is here, written once:
+
+- which tensors are trained (the model's ``named_parameters()`` order restricted to the
+  optimizer's parameters, so every rank derives the same order), their dtype, the gradient
+  numerics (``GradientReduction``) and the loss scaler;
+- the step: the owned items' averaged fp32 gradients, one all-reduce of per-item squared norms
+  for overflow and clipping, each group's per-tensor rule on what this rank owns, then the
+  subclass publishes the new values;
+- the glue the engine and the checkpoint package call.
+
+A subclass provides ``_step_gradients`` (finish the reductions; the owned items and their
+averaged fp32 gradients), ``_publish_updates`` (make the updated masters the parameters),
+``refresh_params_from_masters`` and ``zero_grad``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import deepspeed.comm as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.base_optimizer import ZeROOptimizer
+from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
+
+from ds_canzona.config import CanzonaConfig
+from ds_canzona.optim import rule_for_group
+from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
+from ds_canzona.plan import CostModel
+from ds_canzona.zero.comm import CommCounter, all_reduce_sum
+from ds_canzona.zero.owned import OwnedTensor, parameter_groups
+from ds_canzona.zero.reduction import gradient_reduction
+
+
+class OwnerRuntime(ZeROOptimizer):
+    """The part of a ds_canzona ZeRO optimizer that does not depend on the stage (see the module docstring)."""
+
+    _owned: list[OwnedTensor]
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, param_names: dict, config: CanzonaConfig, stage: int,
+                 dp_process_group, clip_grad: float, grad_accum_dtype: torch.dtype | None = None,
+                 communication_dtype: torch.dtype | None = None, gradient_predivide_factor: float = 1.0,
+                 postscale_gradients: bool = True, gradient_average: bool = True):
+        super().__init__()
+        self.optimizer = optimizer
+        self.config = config
+        self.stage = stage
+        self.partition_gradients = stage >= 2
+        self.dp_process_group = dp_process_group
+        # The clipping norm's all-reduce; the tensor-parallel runtime widens it to DP x TP.
+        self.norm_group = dp_process_group
+        self.clip_grad = float(clip_grad or 0.0)
+        self.world_size = dist.get_world_size(group=dp_process_group)
+        self.rank = dist.get_rank(group=dp_process_group)
+        self.device = torch.device(get_accelerator().current_device_name())
+        self.comm = CommCounter()
+        self.overflow = False
+        self._global_grad_norm = 0.0
+        self.custom_loss_scaler = False
+        self.external_loss_scale = None
+        self.torch_autocast_gradscaler = None
+
+        # The model's named_parameters() order, restricted to what the optimizer trains: every
+        # rank derives the same order from the same model.
+        group_of = parameter_groups(optimizer)
+        self.params: list[torch.nn.Parameter] = [p for p in param_names if p in group_of and p.requires_grad]
+        unknown = [p for p in group_of if p not in param_names]
+        if unknown:
+            raise ValueError(f"{len(unknown)} optimizer parameters are not parameters of the model")
+        if not self.params:
+            raise ValueError("the optimizer has no trainable parameters of the model")
+        self.names = [param_names[p] for p in self.params]
+        self.groups = [group_of[p] for p in self.params]
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) != 1:
+            raise ValueError(f"ds_canzona needs one parameter dtype across the model, found {sorted(map(str, dtypes))}")
+        self.dtype = dtypes.pop()
+        self.reduction = gradient_reduction(
+            param_dtype=self.dtype, world_size=self.world_size, grad_accum_dtype=grad_accum_dtype,
+            communication_dtype=communication_dtype, gradient_average=gradient_average,
+            postscale_gradients=postscale_gradients, gradient_predivide_factor=gradient_predivide_factor)
+
+    def _create_loss_scaler(self, *, static_loss_scale: float, dynamic_loss_scale: bool, dynamic_loss_args) -> None:
+        self.loss_scaler = CreateLossScaler(dtype=self.dtype, static_loss_scale=static_loss_scale,
+                                            dynamic_scaling=dynamic_loss_scale, dynamic_loss_args=dynamic_loss_args)
+        self.dynamic_loss_scale = self.loss_scaler.dynamic
+
+    def _plan_cost_model(self) -> CostModel:
+        from ds_canzona.zero.build import plan_cost_model  # each matrix priced by its own group's rule
+        return plan_cost_model(self.config, self.names, self.groups, get_accelerator().device_name())
+
+    def _print_plan_summary(self) -> None:
+        # Printed, not logged at INFO: DeepSpeed's ranks log at WARNING by default, and a plan
+        # summary that nobody sees cannot be checked.
+        if self.config.log_plan and dist.get_rank() == 0:
+            print(self.plan_summary(), flush=True)
+
+    # ------------------------------------------------------------------ step
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.cur_scale
+
+    @property
+    def cur_scale(self) -> float:
+        return self.loss_scaler.cur_scale
+
+    def _unscaled(self, grad: torch.Tensor) -> torch.Tensor:
+        """Divide an fp32 summed gradient (in place) by what was not divided before the sum, and the loss scale.
+
+        In fp32, whatever the communication dtype: the division is then exact to fp32's rounding
+        (DeepSpeed divides in the communication dtype).
+        """
+        if self.reduction.post_divide != 1.0:
+            grad.div_(self.reduction.post_divide)
+        if self.loss_scaler.cur_scale != 1.0:
+            grad.div_(self.loss_scaler.cur_scale)
+        return grad
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        items, grads = self._step_gradients()
+
+        # One collective for both the overflow check and clipping: every entry is non-zero on
+        # its owner only, so the all-reduced vector is exact, and its sum in plan order is the
+        # same number on every rank and at every world size.
+        sq_norms = torch.zeros(len(self.plan.specs), dtype=torch.float64, device=self.device)
+        for j, g in zip(items, grads):
+            if self._counts_in_norm(j):
+                sq_norms[j] = tensor_sq_norm(g)
+        all_reduce_sum(sq_norms, group=self.norm_group, counter=self.comm, kind="all_reduce")
+        self.overflow = not bool(torch.isfinite(sq_norms).all())
+        self.loss_scaler.update_scale(self.overflow)
+        if self.overflow:
+            self._global_grad_norm = float("inf")
+            self.zero_grad()
+            return None
+
+        self._global_grad_norm, coefficient = clip_coefficient(sq_norms, self.clip_grad)
+        if coefficient < 1.0:
+            for g in grads:
+                g.mul_(coefficient)
+
+        self._update_owned(grads)
+        # This is the basic optimizer's step under ZeRO; its own step() never runs. torch's LR
+        # schedulers built on it (DeepSpeed hands engine.basic_optimizer to a scheduler callable,
+        # the HF Trainer's among them) read this flag to check it stepped before they do.
+        self.optimizer._opt_called = True
+        self._publish_updates()
+        self.zero_grad()
+        return None
+
+    def _step_gradients(self) -> tuple[list[int], list[torch.Tensor]]:
+        raise NotImplementedError
+
+    def _publish_updates(self) -> None:
+        raise NotImplementedError
+
+    def _counts_in_norm(self, item: int) -> bool:
+        """Whether this rank adds the item's squared norm (the tensor-parallel runtime counts replicas once)."""
+        return True
+
+    def _update_owned(self, grads: list[torch.Tensor]) -> None:
+        """Run each group's per-tensor rule on the owned items of that group (``grads`` in ``_owned`` order first)."""
+        for group in self.optimizer.param_groups:
+            members = [(t, g) for t, g in zip(self._owned, grads[:len(self._owned)]) if t.group is group]
+            if not members:
+                continue
+            # Every gradient is known finite here: the norm all-reduce already caught any overflow.
+            rule_for_group(group).update_([t.master for t, _ in members], [g for _, g in members],
+                                          [t.state for t, _ in members], lr=group["lr"], known_finite=True)
+
+    # ------------------------------------------------------------------ engine glue
+    def backward(self, loss, retain_graph: bool = False):
+        self.enter_backward()
+        self.scale_if_loss(loss).backward(retain_graph=retain_graph)
+        self.backward_epilogue()
+        self.exit_backward()
+
+    def owned_tensors(self) -> list[OwnedTensor]:
+        return list(self._owned)
+
+    # ------------------------------------------------------------------ checkpoint glue (zero/checkpoint/engine.py)
+    def checkpoint_ranks(self) -> tuple[int, int, object]:
+        """(rank, number of ranks, group) of the ranks that write one shard file each."""
+        return self.rank, self.world_size, self.dp_process_group
+
+    def item_file(self, item: int) -> int:
+        """The shard file (a ``checkpoint_ranks`` rank) that holds plan item ``item``: its owner's."""
+        return self.plan.owner[item]
+
+    def checkpoint_items(self) -> list[OwnedTensor]:
+        """What this rank writes: its items with their plan shapes (logical under TP)."""
+        return self.owned_tensors()
+
+    def load_targets(self) -> list[OwnedTensor]:
+        """What this rank reads into, shaped as saved; ``after_load`` puts it in place."""
+        return self.owned_tensors()
+
+    def after_load(self) -> None:
+        self.refresh_params_from_masters()
+
+    def state_dict(self):
+        raise NotImplementedError("ds_canzona checkpoints are written by engine.save_checkpoint "
+                                  "(see ds_canzona.zero.checkpoint)")
+
+    def load_state_dict(self, *args, **kwargs):
+        raise NotImplementedError("ds_canzona checkpoints are read by engine.load_checkpoint "
+                                  "(see ds_canzona.zero.checkpoint)")
+
+
+__all__ = ["OwnerRuntime"]
