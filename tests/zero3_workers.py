@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tiny_model import TinyLM, batches, make_model
+from tiny_model import CheckpointedLM, TinyLM, batches, make_model
 from zero_workers import CollectiveLog, init_engine
 
 
@@ -152,10 +152,41 @@ def checkpoint_resume(rank: int, world_size: int, config: dict, save_dir: str, f
 
 # --------------------------------------------------------------------------- everyday features at stage 3
 
+class RankGatedLM(CheckpointedLM):
+    """CheckpointedLM (non-reentrant, no branch module) with ``gate``, a matrix of the root module
+    itself that ``forward`` uses only when told ``use_branch`` (``tiny_model.uses_branch``: on no
+    rank, on every rank, on rank 0 only). Unlike a skipped submodule, whose ZeRO-3 fetch would
+    run on some ranks only, the root's parameters are fetched on every rank, so only the gradient
+    is rank-dependent: the ranks without one must still take part in its reduce."""
+
+    def __init__(self):
+        super().__init__("non_reentrant", branch=False)
+        self.gate = torch.nn.Parameter(0.1 * torch.randn(24, 24))
+
+    def forward(self, tokens: torch.Tensor, use_branch: bool = False) -> torch.Tensor:
+        x = self.embed_tokens(tokens[:, :-1])
+        for layer in self.layers:
+            x = self._run_block(layer, x)
+        if use_branch:
+            x = x + x @ self.gate
+        logits = self.lm_head(self.norm(x))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+
+
+def make_rank_gated_model(seed: int = 0) -> RankGatedLM:
+    torch.manual_seed(seed)
+    return RankGatedLM()
+
+
+def feature_models() -> dict:
+    from zero_workers import MODELS as STAGE12_MODELS
+    return {**STAGE12_MODELS, "rank_gated": make_rank_gated_model}
+
+
 def feature_runs(rank: int, world_size: int, runs: list[dict]) -> list[dict]:
     """One engine per run, in a row (tests/test_zero3_features.py).
 
-    A run is {"config", "model": (name in zero_workers.MODELS, kwargs), "steps", "branch": pass
+    A run is {"config", "model": (name in ``feature_models()``, kwargs), "steps", "branch": pass
     ``use_branch`` (``tiny_model.uses_branch``), "compile": call ``engine.compile()``,
     "scheduler": a LambdaLR of ``schedule``, "groups": pass ``model_parameters`` as two groups (no
     weight decay on 1-D tensors, another lr), "client": a callable ds_canzona.optim.Muon instead
@@ -185,11 +216,10 @@ def _feature_run(rank: int, world_size: int, run: dict) -> dict:
     from ds_canzona.config import CanzonaConfigError
     from ds_canzona.zero.owned import GradientAfterReductionError
     from tiny_model import uses_branch
-    from zero_workers import MODELS
 
     config = copy.deepcopy(run["config"])
     name, kwargs = run["model"]
-    model = MODELS[name](**kwargs)
+    model = feature_models()[name](**kwargs)
     extra = {}
     if run.get("groups"):
         extra["model_parameters"] = feature_groups(model)
