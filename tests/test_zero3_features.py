@@ -168,7 +168,8 @@ def _bound(per_micro: list[dict[str, torch.Tensor]], *, param: torch.dtype, accu
 
 
 def _outside(got: dict, want: dict, bound: dict) -> dict[str, int]:
-    return {n: bad for n, m in want.items() if (bad := int(((got[n].float().reshape(m.shape) - m).abs() > bound[n]).sum()))}
+    return {n: bad for n, m in want.items()
+            if (bad := int(((got[n].float().reshape(m.shape) - m).abs() > bound[n]).sum()))}
 
 
 def _check(name: str, results: list[dict]) -> None:

@@ -170,7 +170,8 @@ class RankGatedLM(CheckpointedLM):
         if use_branch:
             x = x + x @ self.gate
         logits = self.lm_head(self.norm(x))
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                                 tokens[:, 1:].reshape(-1))
 
 
 def make_rank_gated_model(seed: int = 0) -> RankGatedLM:
@@ -192,7 +193,8 @@ def feature_runs(rank: int, world_size: int, runs: list[dict]) -> list[dict]:
     weight decay on 1-D tensors, another lr), "client": a callable ds_canzona.optim.Muon instead
     of the config's optimizer}. Each result has the per-step averaged gradients the owners saw
     ("grads") and their sums before division ("raw"), the parameters gathered whole, the owners'
-    fp32 masters, the lr of each group per step, the bytes this rank sent into reduces, or "error" (the GradientAfterReductionError that ended the run) or "init_error".
+    fp32 masters, the lr of each group per step, the bytes this rank sent into reduces, or "error"
+    (the GradientAfterReductionError that ended the run) or "init_error".
     """
     return [_feature_run(rank, world_size, run) for run in runs]
 
