@@ -10,7 +10,7 @@ trained 2-3 steps with clipping on, on the models of the stage-1/2 tests:
   gradients per backward) and a branch unused on the first step; the same without reentrant
   checkpointing;
 - LoRA: every base parameter frozen (DeepSpeed's even layout) beside owner-placed adapters;
-- numerics keys: fp16 with a static loss scale (where the accelerator has fp16), bf16 with
+- numerics keys: fp16 with a static and a dynamic loss scale (where the accelerator has fp16), bf16 with
   ``data_types.grad_accum_dtype`` fp32, ``communication_data_type`` bf16, ``prescale_gradients``,
   ``gradient_predivide_factor``;
 - param groups as ``model_parameters`` with an LR scheduler, a callable client optimizer,
@@ -62,6 +62,9 @@ CASES = {
     # A root-module matrix used on no rank, on every rank, then on rank 0 only.
     "rank_dependent_gradient": (("rank_gated", {}), {}, 2, 3, {"branch": True}, ("fp32", "fp32", "fp32"), 1),
     "fp16": (TINY, {"fp16": {"enabled": True, "loss_scale": FP16_SCALE}}, 2, 2, {}, ("fp16", "fp16", "fp16"), 1),
+    # Dynamic: starts at 2**10 = FP16_SCALE and keeps it (no overflow, window 1000 steps).
+    "fp16_dynamic": (TINY, {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 10}}, 2, 2, {},
+                     ("fp16", "fp16", "fp16"), 1),
     "bf16_accumulate_fp32": (TINY, {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}, 2, 2, {},
                              ("bf16", "fp32", "bf16"), 1),
     "communicate_bf16": (TINY, {"communication_data_type": "bf16"}, 2, 2, {}, ("fp32", "fp32", "bf16"), 1),
@@ -180,6 +183,7 @@ def _check(name: str, results: list[dict]) -> None:
     for r in results:
         assert "error" not in r and "init_error" not in r, r
         assert r["skipped"] == 0 and len(r["grads"]) == steps
+        assert r["loss_scale"] == scale, (name, r["loss_scale"])
         assert r["accumulate_dtypes"] in ([], [str(accumulate)]), (name, r["accumulate_dtypes"])
     factory = _factory(model)
     replay, scheduler = _replay(name, factory, param)
@@ -223,9 +227,9 @@ def test_checkpointing_tied_frozen_and_unused_parameters_equal_plain_torch_and_t
     _check(name, spawned[name])
 
 
-@pytest.mark.parametrize("name", ["fp16", "bf16_accumulate_fp32", "communicate_bf16", "prescale", "predivide"])
+@pytest.mark.parametrize("name", ["fp16", "fp16_dynamic", "bf16_accumulate_fp32", "communicate_bf16", "prescale", "predivide"])
 def test_numerics_keys_equal_plain_torch_and_the_single_process_step(spawned, one_thread, name):
-    if name == "fp16" and not FP16_SUPPORTED:
+    if CASES[name][5][0] == "fp16" and not FP16_SUPPORTED:
         pytest.skip("this accelerator has no fp16 (get_accelerator().is_fp16_supported())")
     _check(name, spawned[name])
 
