@@ -1,7 +1,8 @@
 """Everyday DeepSpeed features at ZeRO stage 3 (owner placement), against plain torch and the single-process step.
 
 One spawn at DP=2 builds a row of stage-3 engines (tests/zero3_workers.py ``feature_runs``), each
-trained 2-3 steps with clipping on, on the models of the stage-1/2 tests:
+trained 2-3 steps with clipping on, on the models of the stage-1/2 tests; one at DP=3 repeats the
+gradient-arrival cases (the first three and the next two below):
 
 - activation checkpointing: a transformers Qwen3 with tied embedding and output head under
   ``gradient_checkpointing_enable(use_reentrant=True)`` (the recomputation fetches every layer's
@@ -9,9 +10,10 @@ trained 2-3 steps with clipping on, on the models of the stage-1/2 tests:
   under ``deepspeed.checkpointing.checkpoint`` with a Linear used inside every block (two
   gradients per backward) and a branch unused on the first step; the same without reentrant
   checkpointing;
+- a matrix of the root module with a gradient on rank 0 only (the others reduce zeros);
 - LoRA: every base parameter frozen (DeepSpeed's even layout) beside owner-placed adapters;
-- numerics keys: fp16 with a static and a dynamic loss scale (where the accelerator has fp16), bf16 with
-  ``data_types.grad_accum_dtype`` fp32, ``communication_data_type`` bf16, ``prescale_gradients``,
+- numerics keys: fp16 with a static and a dynamic loss scale (where the accelerator has fp16),
+  bf16 with ``data_types.grad_accum_dtype`` fp32, ``communication_data_type`` bf16, ``prescale_gradients``,
   ``gradient_predivide_factor``;
 - param groups as ``model_parameters`` with an LR scheduler, a callable client optimizer,
   ``engine.compile()``.
@@ -38,7 +40,6 @@ from tiny_model import make_checkpointed_model, make_hf_model, make_model
 from zero3_workers import feature_runs, make_rank_gated_model, schedule
 from zero_workers import make_config
 
-WORLD_SIZE = 2
 CLIP = 1.0
 MUON = {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 0.003, "weight_decay": 0.01, "ns_method": "gram"}}
 FP16_SCALE = 1024.0
@@ -74,6 +75,8 @@ CASES = {
     "client_optimizer": (TINY, {}, 1, 2, {"client": True}, ("fp32", "fp32", "fp32"), 1),
     "compile": (TINY, {}, 1, 2, {"compile": True}, ("fp32", "fp32", "fp32"), 1),
 }
+# Gradient arrival: also at DP=3, where two ranks of three lack the gradient of a rank-0-only use.
+AT_DP3 = ["hf_tied_reentrant", "deepspeed_checkpoint", "non_reentrant_branch", "hf_lora", "rank_dependent_gradient"]
 # ``shared`` registered last, so it is the first tensor reduced: block 2's gradient launches its
 # reduce, block 1's (the reentrant recomputation's second backward) comes after it.
 REENTRANT_REUSE = ("checkpointed", {"checkpoint": "reentrant", "shared_first": False, "branch": False})
@@ -88,9 +91,9 @@ REENTRANT_REUSE = ("checkpointed", {"checkpoint": "reentrant", "shared_first": F
 BACKWARD_ORDER = {torch.float32: 2.0 ** -16, torch.bfloat16: 2.0 ** -4, torch.float16: 2.0 ** -7}
 
 
-def _config(case: tuple) -> dict:
+def _config(case: tuple, world_size: int) -> dict:
     _, top, ga, *_ = case
-    config = make_config(WORLD_SIZE, stage=3, optimizer=MUON, gradient_accumulation_steps=ga, gradient_clipping=CLIP,
+    config = make_config(world_size, stage=3, optimizer=MUON, gradient_accumulation_steps=ga, gradient_clipping=CLIP,
                          **top)
     # DeepSpeed's memory_efficient_linear swaps F.linear for its own autograd function (another
     # bias-gradient kernel, other roundings than the plain-torch reference), as in test_zero3.
@@ -103,13 +106,24 @@ def _names() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def spawned() -> dict[str, list[dict]]:
-    names = _names()
-    runs = [{"config": _config(CASES[n]), "model": CASES[n][0], "steps": CASES[n][3], **CASES[n][4]} for n in names]
-    # Last: a run that raises leaves its engine behind.
-    runs.append({"config": _config((REENTRANT_REUSE, {}, 1)), "model": REENTRANT_REUSE, "steps": 1})
-    results = run_ranks(feature_runs, WORLD_SIZE, runs, timeout=900)
-    return {name: [r[i] for r in results] for i, name in enumerate(names + ["reentrant_reuse"])}
+def spawned():
+    """Per DP size: {case name: per-rank results}; DP=2 runs every case, DP=3 those of ``AT_DP3``."""
+    cache: dict[int, dict[str, list[dict]]] = {}
+
+    def get(world_size: int) -> dict[str, list[dict]]:
+        if world_size not in cache:
+            names = _names() if world_size == 2 else AT_DP3
+            runs = [{"config": _config(CASES[n], world_size), "model": CASES[n][0], "steps": CASES[n][3],
+                     **CASES[n][4]} for n in names]
+            if world_size == 2:  # last: a run that raises leaves its engine behind
+                runs.append({"config": _config((REENTRANT_REUSE, {}, 1), world_size), "model": REENTRANT_REUSE,
+                             "steps": 1})
+                names = names + ["reentrant_reuse"]
+            results = run_ranks(feature_runs, world_size, runs, timeout=900)
+            cache[world_size] = {name: [r[i] for r in results] for i, name in enumerate(names)}
+        return cache[world_size]
+
+    return get
 
 
 def _factory(model: tuple[str, dict]):
@@ -145,7 +159,7 @@ def _replay(name: str, model_factory, param_dtype: torch.dtype) -> tuple[Replay,
     return replay, None
 
 
-def _bound(per_micro: list[dict[str, torch.Tensor]], *, param: torch.dtype, accumulate: torch.dtype,
+def _bound(per_micro: list[dict[str, torch.Tensor]], *, world_size: int, param: torch.dtype, accumulate: torch.dtype,
            communicate: torch.dtype, pre: float, scale: float, ga: int) -> dict[str, torch.Tensor]:
     """Elementwise bound on |runtime's average - fp32 mean| of the per-(rank, micro-batch) gradients.
 
@@ -160,12 +174,12 @@ def _bound(per_micro: list[dict[str, torch.Tensor]], *, param: torch.dtype, accu
     n = len(per_micro)
     k = int(communicate != param) + int(pre != 1)
     u_c, u_a, u32 = UNIT_ROUNDOFF[communicate], UNIT_ROUNDOFF[accumulate], UNIT_ROUNDOFF[torch.float32]
-    relative = ((k + WORLD_SIZE - 1) * u_c + ga * u_a + (n + 3) * u32) * (1 + 1e-3)
-    absolute = n * (k + 1) * UNDERFLOW[communicate] / (WORLD_SIZE * scale)
+    relative = ((k + world_size - 1) * u_c + ga * u_a + (n + 3) * u32) * (1 + 1e-3)
+    absolute = n * (k + 1) * UNDERFLOW[communicate] / (world_size * scale)
     bound = {}
     for name in per_micro[0]:
-        magnitude = sum(g[name].float().abs() for g in per_micro) / (WORLD_SIZE * scale)
-        mean = sum(g[name].float() for g in per_micro) / (WORLD_SIZE * scale)
+        magnitude = sum(g[name].float().abs() for g in per_micro) / (world_size * scale)
+        mean = sum(g[name].float() for g in per_micro) / (world_size * scale)
         bound[name] = relative * magnitude + absolute + BACKWARD_ORDER[param] * mean.abs().max()
     return bound
 
@@ -175,10 +189,10 @@ def _outside(got: dict, want: dict, bound: dict) -> dict[str, int]:
             if (bad := int(((got[n].float().reshape(m.shape) - m).abs() > bound[n]).sum()))}
 
 
-def _check(name: str, results: list[dict]) -> None:
+def _check(name: str, results: list[dict], world_size: int = 2) -> None:
     model, _, ga, steps, flags, dtypes, pre = CASES[name]
     param, accumulate, communicate = (DTYPES[d] for d in dtypes)
-    pre = float(WORLD_SIZE) if pre == "W" else float(pre)
+    pre = float(world_size) if pre == "W" else float(pre)
     scale = FP16_SCALE if param == torch.float16 else 1.0
     for r in results:
         assert "error" not in r and "init_error" not in r, r
@@ -194,19 +208,20 @@ def _check(name: str, results: list[dict]) -> None:
     for step, grads in enumerate(merged_grads(results)):
         assert set(grads) == {n for n, _ in replay.named}, name  # every trainable tensor, frozen ones not at all
         model_now = replay.model_in(param)
-        per_micro = [rank_gradients(model_now, step=step, rank=rank, world_size=WORLD_SIZE, ga=ga, micros=[micro],
+        per_micro = [rank_gradients(model_now, step=step, rank=rank, world_size=world_size, ga=ga, micros=[micro],
                                     branch=flags.get("branch", False), loss_scale=scale)
-                     for rank in range(WORLD_SIZE) for micro in range(ga)]
-        mean = {n: sum(g[n].float() for g in per_micro) / (WORLD_SIZE * scale) for n in per_micro[0]}
-        bound = _bound(per_micro, param=param, accumulate=accumulate, communicate=communicate, pre=pre, scale=scale,
+                     for rank in range(world_size) for micro in range(ga)]
+        mean = {n: sum(g[n].float() for g in per_micro) / (world_size * scale) for n in per_micro[0]}
+        bound = _bound(per_micro, world_size=world_size, param=param, accumulate=accumulate, communicate=communicate,
+                       pre=pre, scale=scale,
                        ga=ga)
         outside = _outside(grads, mean, bound)
         assert not outside, f"{name} step {step}: averaged gradient outside the bound: {outside}"
-        assert _outside(grads, {n: m * WORLD_SIZE for n, m in mean.items()}, bound), f"{name}: the sum passes"
+        assert _outside(grads, {n: m * world_size for n, m in mean.items()}, bound), f"{name}: the sum passes"
         # The owners' sums before the division after the reduce: each rank's share divided by ``pre``
         # (and still times the loss scale); a tensor that got no gradient anywhere may be absent.
-        raw_want = {n: m * WORLD_SIZE / pre * scale for n, m in mean.items() if n in raw_steps[step]}
-        raw_bound = {n: b * WORLD_SIZE / pre * scale for n, b in bound.items()}
+        raw_want = {n: m * world_size / pre * scale for n, m in mean.items() if n in raw_steps[step]}
+        raw_bound = {n: b * world_size / pre * scale for n, b in bound.items()}
         outside = _outside(raw_steps[step], raw_want, raw_bound)
         assert not outside, f"{name} step {step}: owners' sums outside the bound: {outside}"
         replay.step(grads)
@@ -218,24 +233,22 @@ def _check(name: str, results: list[dict]) -> None:
     assert_params_equal(masters, {n: p for n, p in replay.params(torch.float32).items() if n in masters})
 
 
-ACTIVATION_CHECKPOINTING = ["hf_tied_reentrant", "deepspeed_checkpoint", "non_reentrant_branch"]
-
-
-@pytest.mark.parametrize("name", ACTIVATION_CHECKPOINTING + ["hf_lora", "rank_dependent_gradient"])
+@pytest.mark.parametrize("world_size,name", [(ws, name) for ws in (2, 3) for name in AT_DP3])
 def test_checkpointing_tied_frozen_and_unused_parameters_equal_plain_torch_and_the_single_process_step(
-        spawned, one_thread, name):
-    _check(name, spawned[name])
+        spawned, one_thread, world_size, name):
+    _check(name, spawned(world_size)[name], world_size)
 
 
-@pytest.mark.parametrize("name", ["fp16", "fp16_dynamic", "bf16_accumulate_fp32", "communicate_bf16", "prescale", "predivide"])
+@pytest.mark.parametrize("name", ["fp16", "fp16_dynamic", "bf16_accumulate_fp32", "communicate_bf16", "prescale",
+                                  "predivide"])
 def test_numerics_keys_equal_plain_torch_and_the_single_process_step(spawned, one_thread, name):
     if CASES[name][5][0] == "fp16" and not FP16_SUPPORTED:
         pytest.skip("this accelerator has no fp16 (get_accelerator().is_fp16_supported())")
-    _check(name, spawned[name])
+    _check(name, spawned(2)[name])
 
 
 def test_param_groups_and_lr_scheduler_equal_the_single_process_step(spawned, one_thread):
-    results = spawned["groups_scheduler"]
+    results = spawned(2)["groups_scheduler"]
     _check("groups_scheduler", results)
     settings = results[0]["group_settings"]
     no_decay = [g for g in settings if g["weight_decay"] == 0.0]
@@ -247,18 +260,18 @@ def test_param_groups_and_lr_scheduler_equal_the_single_process_step(spawned, on
 
 
 def test_callable_client_optimizer_equals_the_single_process_step(spawned, one_thread):
-    results = spawned["client_optimizer"]
+    results = spawned(2)["client_optimizer"]
     _check("client_optimizer", results)
     kinds = results[0]["kinds"]
     assert kinds["embed_tokens.weight"] == "adamw" and kinds["layers.0.up_proj.weight"] == "muon"
 
 
 def test_compiled_module_equals_plain_torch_and_the_single_process_step(spawned, one_thread):
-    _check("compile", spawned["compile"])
+    _check("compile", spawned(2)["compile"])
 
 
 def test_second_gradient_after_the_reduce_raises(spawned):
-    for r in spawned["reentrant_reuse"]:
+    for r in spawned(2)["reentrant_reuse"]:
         assert "error" in r, "a gradient after its reduce to the owner did not raise"
         assert "'shared.weight' received a gradient after it was reduced" in r["error"]
         assert "use_reentrant=False" in r["error"]
