@@ -213,8 +213,7 @@ def _check(name: str, results: list[dict], world_size: int = 2) -> None:
                      for rank in range(world_size) for micro in range(ga)]
         mean = {n: sum(g[n].float() for g in per_micro) / (world_size * scale) for n in per_micro[0]}
         bound = _bound(per_micro, world_size=world_size, param=param, accumulate=accumulate, communicate=communicate,
-                       pre=pre, scale=scale,
-                       ga=ga)
+                       pre=pre, scale=scale, ga=ga)
         outside = _outside(grads, mean, bound)
         assert not outside, f"{name} step {step}: averaged gradient outside the bound: {outside}"
         assert _outside(grads, {n: m * world_size for n, m in mean.items()}, bound), f"{name}: the sum passes"
