@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tiny_model import TinyLM, batches, make_model
+from tiny_model import CheckpointedLM, TinyLM, batches, make_model
 from zero_workers import CollectiveLog, init_engine
 
 
@@ -148,3 +148,128 @@ def checkpoint_resume(rank: int, world_size: int, config: dict, save_dir: str, f
               "global_steps": engine.global_steps}
     grads = _train_capture(engine, rank, world_size, first, steps)
     return {**loaded, "grads": grads, "final": _params_any_stage(engine)}
+
+
+# --------------------------------------------------------------------------- everyday features at stage 3
+
+class RankGatedLM(CheckpointedLM):
+    """CheckpointedLM (non-reentrant, no branch module) with ``gate``, a matrix of the root module
+    itself that ``forward`` uses only when told ``use_branch`` (``tiny_model.uses_branch``: on no
+    rank, on every rank, on rank 0 only). Unlike a skipped submodule, whose ZeRO-3 fetch would
+    run on some ranks only, the root's parameters are fetched on every rank, so only the gradient
+    is rank-dependent: the ranks without one must still take part in its reduce."""
+
+    def __init__(self):
+        super().__init__("non_reentrant", branch=False)
+        self.gate = torch.nn.Parameter(0.1 * torch.randn(24, 24))
+
+    def forward(self, tokens: torch.Tensor, use_branch: bool = False) -> torch.Tensor:
+        x = self.embed_tokens(tokens[:, :-1])
+        for layer in self.layers:
+            x = self._run_block(layer, x)
+        if use_branch:
+            x = x + x @ self.gate
+        logits = self.lm_head(self.norm(x))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                                 tokens[:, 1:].reshape(-1))
+
+
+def make_rank_gated_model(seed: int = 0) -> RankGatedLM:
+    torch.manual_seed(seed)
+    return RankGatedLM()
+
+
+def feature_models() -> dict:
+    from zero_workers import MODELS as STAGE12_MODELS
+    return {**STAGE12_MODELS, "rank_gated": make_rank_gated_model}
+
+
+def feature_runs(rank: int, world_size: int, runs: list[dict]) -> list[dict]:
+    """One engine per run, in a row (tests/test_zero3_features.py).
+
+    A run is {"config", "model": (name in ``feature_models()``, kwargs), "steps", "branch": pass
+    ``use_branch`` (``tiny_model.uses_branch``), "compile": call ``engine.compile()``,
+    "scheduler": a LambdaLR of ``schedule``, "groups": pass ``model_parameters`` as two groups (no
+    weight decay on 1-D tensors, another lr), "client": a callable ds_canzona.optim.Muon instead
+    of the config's optimizer}. Each result has the per-step averaged gradients the owners saw
+    ("grads") and their sums before division ("raw"), the parameters gathered whole, the owners'
+    fp32 masters, the lr of each group per step, the bytes this rank sent into reduces, or "error"
+    (the GradientAfterReductionError that ended the run) or "init_error".
+    """
+    return [_feature_run(rank, world_size, run) for run in runs]
+
+
+def schedule(step: int) -> float:
+    return 1.0 / (1.0 + 0.5 * step)
+
+
+def feature_groups(model) -> list[dict]:
+    no_decay = [p for p in model.parameters() if p.ndim < 2 and p.requires_grad]
+    rest = [p for p in model.parameters() if p.ndim >= 2 and p.requires_grad]
+    return [{"params": rest}, {"params": no_decay, "weight_decay": 0.0, "lr": 0.001}]
+
+
+def _feature_run(rank: int, world_size: int, run: dict) -> dict:
+    import copy
+
+    import deepspeed
+
+    import ds_canzona  # noqa: F401  (registers the engine hook)
+    from ds_canzona.config import CanzonaConfigError
+    from ds_canzona.zero.owned import GradientAfterReductionError
+    from tiny_model import uses_branch
+
+    config = copy.deepcopy(run["config"])
+    name, kwargs = run["model"]
+    model = feature_models()[name](**kwargs)
+    extra = {}
+    if run.get("groups"):
+        extra["model_parameters"] = feature_groups(model)
+    if run.get("scheduler"):
+        extra["lr_scheduler"] = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    if run.get("client"):
+        from ds_canzona.optim import Muon
+        config.pop("optimizer", None)
+        extra["optimizer"] = lambda params: Muon(params, lr=0.02, adam_lr=0.003, weight_decay=0.01, ns_method="gram")
+    try:
+        engine, _, _, _ = deepspeed.initialize(model=model, config=config, **extra)
+    except CanzonaConfigError as error:
+        return {"init_error": str(error)}
+    if run.get("compile"):
+        engine.compile()
+    zero = engine.optimizer
+    ga = engine.gradient_accumulation_steps()
+    grads, lrs, raw, accumulate_dtypes = [], [], [], set()
+    try:
+        for step in range(run["steps"]):
+            lrs.append([group["lr"] for group in zero.param_groups])
+            for micro in range(ga):
+                tokens = batches(step, micro, rank, world_size, config["train_micro_batch_size_per_gpu"])
+                forward = {"use_branch": uses_branch(step, rank)} if run.get("branch") else {}
+                engine.backward(engine(tokens, **forward))
+                if micro == ga - 1:
+                    grads.append({k: v.clone() for k, v in zero.owned_gradients().items()})
+                    # The owners' sums before any division, in the accumulation dtype.
+                    raw.append({t.name: zero._accumulated[t.index].clone() for t in zero.owned_tensors()
+                                if zero._accumulated[t.index] is not None})
+                    accumulate_dtypes |= {str(a.dtype) for a in raw[-1].values()}
+                engine.step()
+    except GradientAfterReductionError as error:
+        return {"error": str(error)}
+    result = {
+        "params": gathered_params(engine),
+        "grads": grads,
+        "raw": raw,
+        "accumulate_dtypes": sorted(accumulate_dtypes),
+        "reduce_bytes": int(zero.comm.bytes["reduce"]),
+        "lrs": lrs,
+        "masters": {t.name: t.master.detach().clone() for t in zero.owned_tensors()},
+        "owners": dict(zip(zero.names, zero.plan.owner)),
+        "kinds": {n: g["kind"] for n, g in zip(zero.names, zero.groups)},
+        "group_settings": [{k: v for k, v in g.items() if k in ("lr", "weight_decay", "kind")}
+                           for g in zero.param_groups],
+        "skipped": engine.skipped_steps,
+        "loss_scale": float(zero.loss_scale),
+    }
+    engine.destroy()
+    return result
