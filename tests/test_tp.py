@@ -26,7 +26,16 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from tp_workers import logical_params, make_qwen3, reference_fed, reference_training, tp_scenarios
+from tp_workers import (
+    logical_params,
+    make_phi3,
+    make_qwen3,
+    phi3_sub_sizes,
+    reference_fed,
+    reference_fed_phi3,
+    reference_training,
+    tp_scenarios,
+)
 
 MUON = {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 0.003, "weight_decay": 0.01}}
 SHAMPOO = {"type": "Shampoo", "params": {"lr": 0.003, "adam_lr": 0.003, "weight_decay": 0.01}}
@@ -166,9 +175,12 @@ def test_tp4_with_empty_slices_is_bitwise_the_single_process_step(tp4_dp1, index
 def tp2_dp1():
     scenarios = [
         {"tp": 2, "mode": "fed", "steps": FED_STEPS, "optimizer": SHAMPOO, "stage": 1, "canzona": SMALL_GROUPS},
-        {"tp": 2, "mode": "refused", "optimizer": MUON, "stage": 1, "canzona": {}, "phi3": True},
+        {"tp": 2, "mode": "fed", "steps": FED_STEPS, "optimizer": MUON, "stage": 1, "canzona": SMALL_GROUPS,
+         "model": "phi3"},
         {"tp": 2, "mode": "refused", "optimizer": {"type": "Muon", "params": {"lr": 0.02, "per_head_muon": True}},
          "stage": 1, "canzona": {}},
+        {"tp": 2, "mode": "refused", "optimizer": SHAMPOO, "stage": 1, "canzona": {}, "model": "phi3"},
+        {"tp": 2, "mode": "refused", "optimizer": SOAP, "stage": 1, "canzona": {}, "model": "phi3"},
     ]
     return run_ranks(tp_scenarios, 2, scenarios, timeout=900)
 
@@ -177,12 +189,46 @@ def test_tp2_dp1_is_bitwise_the_single_process_step(tp2_dp1):
     assert_bitwise(logical_params(scenario(tp2_dp1, 0), 2), reference_fed(SHAMPOO, steps=FED_STEPS))
 
 
-def test_fused_sub_parameters_are_refused_at_init(tp2_dp1):
-    """Phi3's fused qkv_proj under AutoTP's phi3 preset (SubParamColumnParallel): refused, naming it."""
-    for rank in scenario(tp2_dp1, 1):
+def assert_fused_update_is_separate_matrices(ranks: list[dict], tp: int) -> None:
+    """Phi3 under AutoTP's phi3 preset: each TP slice of qkv_proj (gate_up_proj) is a piece of each of
+    q, k, v (gate, up). Fed the same full gradients, the update is bit for bit the single-process Muon on
+    q, k, v, gate and up as separate matrices, cut from the fused weights and gradients by the test; Muon
+    on each fused weight as one matrix lands far away (so the comparison can fail)."""
+    sub_sizes = phi3_sub_sizes()
+    fused = ranks[0]["fused"]
+    assert fused.keys() == sub_sizes.keys()
+    for name, widths in fused.items():
+        assert tuple(sum(per_rank) for per_rank in widths) == sub_sizes[name]
+        assert all(len(per_rank) == tp for per_rank in widths)
+    got = logical_params(ranks, tp)
+    separate = reference_fed_phi3(MUON, steps=FED_STEPS, separate=True)
+    one_matrix = reference_fed_phi3(MUON, steps=FED_STEPS, separate=False)
+    initial = {n: p.detach() for n, p in make_phi3().named_parameters()}
+    assert got.keys() == separate.keys()
+    for name in separate:
+        assert not torch.equal(separate[name], initial[name]), f"{name} did not move"
+        assert torch.equal(got[name], separate[name]), f"{name}: max |diff| {(got[name] - separate[name]).abs().max()}"
+    for name in sub_sizes:
+        # The slice is not the logical weight's leading rows (what an even chunk would assume).
+        local = ranks[0]["params"][name]
+        assert not torch.equal(local, got[name][:local.shape[0]]), name
+        gap = (one_matrix[name] - separate[name]).norm() / (separate[name] - initial[name]).norm()
+        assert gap > 0.1, (name, float(gap))
+
+
+def test_fused_sub_parameters_tp2_dp1_update_each_sub_matrix_bitwise(tp2_dp1):
+    assert_fused_update_is_separate_matrices(scenario(tp2_dp1, 1), 2)
+
+
+@pytest.mark.parametrize("index, kind", [(3, "shampoo"), (4, "soap")])
+def test_fused_sub_parameters_with_shampoo_or_soap_are_refused_at_init(tp2_dp1, index, kind):
+    """Shampoo's and SOAP's factors are per matrix: a fused weight's sub-matrices would need a state layout
+    of their own, so a fused weight under either is refused at init, naming it."""
+    for rank in scenario(tp2_dp1, index):
         assert rank["error"] is not None
-        assert "qkv_proj.weight" in rank["error"] and "fused sub-parameter" in rank["error"]
-        assert rank["error"].startswith("tensor_parallel.autotp_size")
+        assert rank["error"].startswith(f"optimizer.type: {kind} cannot update parameter"), rank["error"]
+        assert "qkv_proj.weight" in rank["error"] or "gate_up_proj.weight" in rank["error"]
+        assert "per sub-parameter" in rank["error"]
 
 
 def test_per_head_muon_with_autotp_is_refused_at_init(tp2_dp1):
@@ -191,17 +237,31 @@ def test_per_head_muon_with_autotp_is_refused_at_init(tp2_dp1):
 
 
 def test_held_before_counts_a_slice_in_logical_order():
-    """A logical flat range maps to a contiguous local range: checked against a mask for every split kind."""
+    """A logical flat range maps to a contiguous local range: checked against a mask for every split kind,
+    plain and fused (a piece of each sub-parameter per rank); a rank's slice and its logical indices agree,
+    and writing every rank's slice back rebuilds the logical tensor."""
     from ds_canzona.zero.tp_layout import TPSplit
 
-    for shape, dim, sizes in [((5, 4), 0, (3, 2)), ((5, 4), 1, (1, 3)), ((3, 4, 2), 1, (2, 0, 2)), ((6,), 0, (4, 2))]:
-        split = TPSplit(logical_shape=shape, dim=dim, sizes=sizes)
+    plain = [((5, 4), 0, (3, 2)), ((5, 4), 1, (1, 3)), ((3, 4, 2), 1, (2, 0, 2)), ((6,), 0, (4, 2))]
+    fused = [((10, 4), 0, ((2, 2), (3, 1), (1, 1))), ((3, 6), 1, ((1, 2), (0, 3))), ((2, 5, 3), 1, ((2, 0), (1, 2))),
+             ((8,), 0, ((2, 2), (2, 2)))]
+    splits = [TPSplit.plain(shape, dim, sizes) for shape, dim, sizes in plain]
+    splits += [TPSplit(logical_shape=shape, dim=dim, widths=widths) for shape, dim, widths in fused]
+    for split in splits:
+        shape = split.logical_shape
         full = torch.arange(torch.Size(shape).numel()).reshape(shape)
-        for rank in range(len(sizes)):
+        rebuilt = torch.full_like(full, -1)
+        for rank in range(len(split.sizes)):
             held = split.slice_of(full, rank).reshape(-1)
             assert torch.equal(held, held.sort().values)
+            assert torch.equal(split.logical_index(rank, 0, held.numel()), held)
             for index in range(full.numel() + 1):
                 assert split.held_before(rank, index) == int((held < index).sum())
+            split.write_slice(rebuilt, rank, split.slice_of(full, rank))
+        assert torch.equal(rebuilt, full)
+    # Fused: rank 0 of ((2, 2), (3, 1), (1, 1)) holds rows 0-1 of the first sub-parameter, rows 4-6 of the
+    # second and row 8 of the third.
+    assert TPSplit(logical_shape=(10, 4), dim=0, widths=fused[0][2]).runs(0) == ((0, 2), (4, 3), (8, 1))
 
 
 def checkpoint_contents(directory: str) -> tuple[dict, dict]:

@@ -61,7 +61,7 @@ def full_gradient(step: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def ds_config(*, tp: int, dp: int, optimizer: dict, stage: int = 1, ga: int = 1, canzona: dict | None = None,
-              bf16: bool = False) -> dict:
+              bf16: bool = False, model: str = "qwen3") -> dict:
     config = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": ga,
@@ -73,12 +73,15 @@ def ds_config(*, tp: int, dp: int, optimizer: dict, stage: int = 1, ga: int = 1,
     }
     if bf16:
         config["bf16"] = {"enabled": True}
+    if model == "phi3":
+        config["tensor_parallel"]["preset_model"] = "phi3"  # fused qkv_proj and gate_up_proj, per sub-parameter
     if canzona is not None:
         config["canzona"] = {"log_plan": False, "bucket_numel": 3000, **canzona}
     return config
 
 
 def _splits(engine) -> dict[str, tuple[int, tuple[int, ...]] | None]:
+    """(partition dim, each TP rank's extent along it) per parameter; None: replicated."""
     from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
 
     out = {}
@@ -86,9 +89,45 @@ def _splits(engine) -> dict[str, tuple[int, tuple[int, ...]] | None]:
         meta = getattr(param, DS_AUTOTP_UC_META, None)
         if meta is None or meta.get("replicated") or meta.get("partition_dim") is None:
             out[name] = None
+        elif meta.get("sub_param_shard_widths") is not None:
+            widths = meta["sub_param_shard_widths"]
+            out[name] = (int(meta["partition_dim"]), tuple(sum(int(w[r]) for w in widths) for r in range(len(widths[0]))))
         else:
             out[name] = (int(meta["partition_dim"]), tuple(int(s) for s in meta["partition_sizes"]))
     return out
+
+
+def _sub_widths(engine) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """AutoTP's per-sub-parameter widths (one tuple per sub-parameter, one width per TP rank) of fused weights."""
+    from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
+
+    out = {}
+    for name, param in engine.module.named_parameters():
+        widths = (getattr(param, DS_AUTOTP_UC_META, None) or {}).get("sub_param_shard_widths")
+        if widths is not None and len(widths) > 1:
+            out[name] = tuple(tuple(int(w) for w in per_rank) for per_rank in widths)
+    return out
+
+
+def rank_piece(full: torch.Tensor, dim: int, widths: tuple[tuple[int, ...], ...], rank: int) -> torch.Tensor:
+    """TP rank ``rank``'s slice of a fused tensor: its piece of each sub-parameter, in sub-parameter order."""
+    pieces, start = [], 0
+    for per_rank in widths:
+        pieces.append(full.narrow(dim, start + sum(per_rank[:rank]), per_rank[rank]))
+        start += sum(per_rank)
+    return torch.cat(pieces, dim=dim)
+
+
+def reassemble_fused(slices: list[torch.Tensor], dim: int, widths: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+    """The logical fused tensor from every TP rank's slice (each sub-parameter's pieces in rank order)."""
+    subs = []
+    for index, per_rank in enumerate(widths):
+        pieces = []
+        for rank, local in enumerate(slices):
+            before = sum(w[rank] for w in widths[:index])
+            pieces.append(local.narrow(dim, before, per_rank[rank]))
+        subs.append(torch.cat(pieces, dim=dim))
+    return torch.cat(subs, dim=dim)
 
 
 def _local_params(engine) -> dict[str, torch.Tensor]:
@@ -103,12 +142,13 @@ def _initialize(config: dict, model):
     return engine
 
 
-def _fed_run(config: dict, steps: int, tp: int) -> dict:
+def _fed_run(config: dict, steps: int, tp: int, model: str = "qwen3") -> dict:
     """Each step's gradient is ``full_gradient`` (the TP slice of it on each rank), fed through backward."""
     from deepspeed.utils import groups
 
-    engine = _initialize(config, make_qwen3())
+    engine = _initialize(config, MODELS[model]())
     splits = _splits(engine)
+    fused = _sub_widths(engine)
     tp_rank = groups.get_tensor_model_parallel_rank()
     named = list(engine.module.named_parameters())
     for step in range(steps):
@@ -119,7 +159,9 @@ def _fed_run(config: dict, steps: int, tp: int) -> dict:
                 dim, sizes = splits[name]
                 logical[dim] = sum(sizes)
             grad = full_gradient(step, name, tuple(logical))
-            if splits[name] is not None:
+            if name in fused:
+                grad = rank_piece(grad, splits[name][0], fused[name], tp_rank)
+            elif splits[name] is not None:
                 dim, sizes = splits[name]
                 grad = grad.narrow(dim, sum(sizes[:tp_rank]), sizes[tp_rank])
             if getattr(param, "_ds_grad_allreduce_registered", False):
@@ -127,7 +169,7 @@ def _fed_run(config: dict, steps: int, tp: int) -> dict:
             loss = loss + (param * grad).sum()
         engine.backward(loss)
         engine.step()
-    return {"params": _local_params(engine), "splits": splits}
+    return {"params": _local_params(engine), "splits": splits, "fused": fused}
 
 
 def _train_run(config: dict, steps: int, dp_rank: int, *, meter=None, load: str | None = None,
@@ -184,22 +226,20 @@ def tp_scenarios(rank: int, world_size: int, scenarios: list[dict]) -> list[dict
     for scenario in scenarios:
         tp = scenario["tp"]
         dp = world_size // tp
+        model = scenario.get("model", "qwen3")
         config = ds_config(tp=tp, dp=dp, optimizer=scenario["optimizer"], stage=scenario.get("stage", 1),
-                           ga=scenario.get("ga", 1), canzona=scenario.get("canzona"), bf16=scenario.get("bf16", False))
+                           ga=scenario.get("ga", 1), canzona=scenario.get("canzona"), bf16=scenario.get("bf16", False),
+                           model=model)
         if scenario["mode"] == "refused":
-            model = make_qwen3()
-            if scenario.get("phi3"):
-                config["tensor_parallel"]["preset_model"] = "phi3"
-                model = make_phi3()
             try:
-                _initialize(config, model)
+                _initialize(config, MODELS[model]())
             except CanzonaConfigError as error:
                 results.append({"error": str(error)})
             else:
                 results.append({"error": None})
             continue
         if scenario["mode"] == "fed":
-            results.append(_fed_run(config, scenario["steps"], tp))
+            results.append(_fed_run(config, scenario["steps"], tp, model))
             continue
         if scenario.get("canzona") is None:
             force_deepspeed_ns_dtype(torch.float32)  # DeepSpeed's Muon in fp32 too: only the distribution differs
@@ -267,12 +307,74 @@ def reference_fed(optimizer: dict, *, steps: int, bf16: bool = False) -> dict[st
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def phi3_sub_sizes() -> dict[str, tuple[int, ...]]:
+    """The sub-parameter row counts of make_phi3's fused weights, from its config: q, k, v and gate, up."""
+    model = make_phi3()
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    qkv = (config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim,
+           config.num_key_value_heads * head_dim)
+    gate_up = (config.intermediate_size, config.intermediate_size)
+    return {name: qkv if "qkv_proj" in name else gate_up for name, _ in model.named_parameters()
+            if "qkv_proj.weight" in name or "gate_up_proj.weight" in name}
+
+
+def reference_fed_phi3(optimizer: dict, *, steps: int, separate: bool) -> dict[str, torch.Tensor]:
+    """The single-process optimizer on make_phi3 fed ``full_gradient``, clipped as the runtime clips.
+
+    ``separate``: each fused weight (qkv_proj, gate_up_proj) is given to the optimizer as its
+    sub-parameters, separate matrices cut from it by ``phi3_sub_sizes`` (and each fused gradient
+    cut the same way); the result is put back together by concatenation. Otherwise the fused
+    weight is one matrix."""
+    import ds_canzona.optim as optim
+    from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
+    from ds_canzona.zero.build import translate_optimizer_params
+
+    model = make_phi3()
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    sub_sizes = phi3_sub_sizes() if separate else {}
+    tensors: list[tuple[str, torch.nn.Parameter]] = []  # what the optimizer sees
+    for name, param in named:
+        if name in sub_sizes:
+            for index, part in enumerate(param.detach().split(sub_sizes[name], dim=0)):
+                tensors.append((f"{name}.sub{index}", torch.nn.Parameter(part.clone())))
+        else:
+            tensors.append((name, param))
+    name = optimizer["type"].lower()
+    cls = {"muon": optim.Muon, "shampoo": optim.Shampoo, "soap": optim.SOAP}[name]
+    opt = cls(tensors, **translate_optimizer_params(name, optimizer["params"]))
+    by_name = dict(tensors)
+    for step in range(steps):
+        grads = {n: full_gradient(step, n, tuple(p.shape)) for n, p in named}
+        _, coefficient = clip_coefficient(torch.stack([tensor_sq_norm(g) for g in grads.values()]), CLIP)
+        for n, g in grads.items():
+            g = g.mul_(coefficient) if coefficient < 1.0 else g
+            if n in sub_sizes:
+                for index, part in enumerate(g.split(sub_sizes[n], dim=0)):
+                    by_name[f"{n}.sub{index}"].grad = part.clone()
+            else:
+                by_name[n].grad = g
+        opt.step()
+    out = {}
+    for n, p in named:
+        if n in sub_sizes:
+            out[n] = torch.cat([by_name[f"{n}.sub{i}"].detach() for i in range(len(sub_sizes[n]))])
+        else:
+            out[n] = p.detach().clone()
+    return out
+
+
+MODELS = {"qwen3": make_qwen3, "phi3": make_phi3}
+
+
 def logical_params(results: list[dict], tp: int) -> dict[str, torch.Tensor]:
     """The logical tensors of TP group 0 (ranks 0..tp-1), concatenated along AutoTP's split dim."""
-    splits = results[0]["splits"]
+    splits, fused = results[0]["splits"], results[0].get("fused", {})
     out = {}
     for name, local in results[0]["params"].items():
-        if splits[name] is None:
+        if name in fused:
+            out[name] = reassemble_fused([results[r]["params"][name] for r in range(tp)], splits[name][0], fused[name])
+        elif splits[name] is None:
             out[name] = local
         else:
             dim, _ = splits[name]
@@ -280,4 +382,5 @@ def logical_params(results: list[dict], tp: int) -> dict[str, torch.Tensor]:
     return out
 
 
-__all__ = ["logical_params", "reference_fed", "reference_training", "tp_scenarios"]
+__all__ = ["logical_params", "make_phi3", "phi3_sub_sizes", "reference_fed", "reference_fed_phi3",
+           "reference_training", "tp_scenarios"]
