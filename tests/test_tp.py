@@ -62,9 +62,10 @@ def assert_bitwise(got: dict, ref: dict) -> None:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """Checkpoint directories: A saved at TP=2 x DP=2, B at TP=1 x DP=3 after loading A, C at TP=4 after loading B."""
+    """Checkpoint directories: A saved at TP=2 x DP=2, B at TP=1 x DP=3 after loading A, C at TP=4 after loading B;
+    D: Phi3 (fused weights) saved at TP=2 x DP=2, E at TP=1 x DP=3 after loading D."""
     root = tmp_path_factory.mktemp("tp_checkpoints")
-    return {name: str(root / name) for name in "ABC"}
+    return {name: str(root / name) for name in "ABCDE"}
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +82,8 @@ def tp2_dp2(checkpoints):
          "save": checkpoints["A"]},
         {"tp": 2, "mode": "fed", "steps": FED_STEPS, "optimizer": MUON, "stage": 2, "canzona": SMALL_GROUPS,
          "bf16": True},
+        {"tp": 2, "mode": "fed", "steps": FED_STEPS, "optimizer": MUON, "stage": 2, "canzona": SMALL_GROUPS,
+         "model": "phi3", "save": checkpoints["D"]},
     ]
     return run_ranks(tp_scenarios, 4, scenarios, timeout=1200)
 
@@ -95,6 +98,34 @@ def test_tp2_dp2_fed_update_is_bitwise_the_single_process_step(tp2_dp2, index, o
     reference = reference_fed(optimizer, steps=FED_STEPS)
     assert_bitwise(logical_params(ranks, 2), reference)
     assert_bitwise(logical_params(ranks[2:], 2), reference)  # the other DP rank's TP group holds the same
+
+
+def test_fused_sub_parameters_tp2_dp2_update_each_sub_matrix_bitwise(tp2_dp2):
+    ranks = scenario(tp2_dp2, 8)
+    assert_fused_update_is_separate_matrices(ranks, 2)
+    other = logical_params(ranks[2:], 2)  # the other DP rank's TP group holds the same
+    for name, value in logical_params(ranks, 2).items():
+        assert torch.equal(other[name], value), name
+
+
+def test_fused_sub_parameters_checkpoint_reshards_from_tp2_to_tp1(tp2_dp2, tp1_dp3, checkpoints):
+    """A fused weight is stored fused, under the model's name (qkv_proj.weight, gate_up_proj.weight), with its
+    momentum of the same shape: saved at TP=2 x DP=2 it loads at TP=1 x DP=3, and saved again there it is
+    the same checkpoint by name and value."""
+    saved_params = logical_params(scenario(tp2_dp2, 8), 2)
+    masters_d, state_d = checkpoint_contents(checkpoints["D"] + "/saved")
+    assert masters_d.keys() == saved_params.keys()
+    for name, master in masters_d.items():
+        assert torch.equal(master, saved_params[name]), name
+    for name in phi3_sub_sizes():
+        assert state_d[name]["momentum_buffer"].shape == masters_d[name].shape
+    for rank in scenario(tp1_dp3, 1):
+        for name, master in masters_d.items():
+            assert torch.equal(rank["loaded"][name], master), name
+    masters_e, state_e = checkpoint_contents(checkpoints["E"] + "/saved")
+    for name in masters_d:
+        assert torch.equal(masters_e[name], masters_d[name]), name
+    assert_same_state(state_e, state_d)
 
 
 def test_tp2_dp2_bf16_parameters_are_the_rounded_single_process_masters(tp2_dp2):
@@ -149,7 +180,9 @@ def test_tp2_dp2_plan_summary_prints_the_tp_load(tp2_dp2):
 @pytest.fixture(scope="module")
 def tp1_dp3(tp2_dp2, checkpoints):
     scenarios = [{"tp": 1, "mode": "train", "steps": 1, "optimizer": SOAP, "stage": 1, "canzona": {},
-                  "load": checkpoints["A"], "save": checkpoints["B"]}]
+                  "load": checkpoints["A"], "save": checkpoints["B"]},
+                 {"tp": 1, "mode": "train", "steps": 0, "optimizer": MUON, "stage": 1, "canzona": {},
+                  "model": "phi3", "load": checkpoints["D"], "save": checkpoints["E"]}]
     return run_ranks(tp_scenarios, 3, scenarios, timeout=900)
 
 

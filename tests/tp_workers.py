@@ -4,6 +4,11 @@ The model is a transformers Qwen3 with 6 attention heads and 3 KV heads, so at T
 the ranks 2 and 1 KV heads (q: 32 and 16 rows, k and v: 16 and 8), and at TP=4 1/1/1/0 KV heads:
 the last rank holds empty slices. Every rank returns its local parameters with AutoTP's split of
 each, so the test reassembles the logical tensors itself (by concatenation along the split dim).
+
+The fused-weight tests use a Phi3 (``make_phi3``) under AutoTP's phi3 preset: its ``qkv_proj``
+and ``gate_up_proj`` are cut per sub-parameter, so each rank's slice is a piece of each of q, k, v
+(gate, up); the test puts them back together from AutoTP's ``sub_param_shard_widths`` itself
+(``reassemble_fused``).
 """
 
 from __future__ import annotations
@@ -142,7 +147,7 @@ def _initialize(config: dict, model):
     return engine
 
 
-def _fed_run(config: dict, steps: int, tp: int, model: str = "qwen3") -> dict:
+def _fed_run(config: dict, steps: int, tp: int, model: str = "qwen3", save: str | None = None) -> dict:
     """Each step's gradient is ``full_gradient`` (the TP slice of it on each rank), fed through backward."""
     from deepspeed.utils import groups
 
@@ -169,12 +174,14 @@ def _fed_run(config: dict, steps: int, tp: int, model: str = "qwen3") -> dict:
             loss = loss + (param * grad).sum()
         engine.backward(loss)
         engine.step()
+    if save is not None:
+        engine.save_checkpoint(save, tag="saved")
     return {"params": _local_params(engine), "splits": splits, "fused": fused}
 
 
 def _train_run(config: dict, steps: int, dp_rank: int, *, meter=None, load: str | None = None,
-               save: str | None = None) -> dict:
-    engine = _initialize(config, make_qwen3())
+               save: str | None = None, model: str = "qwen3") -> dict:
+    engine = _initialize(config, MODELS[model]())
     zero = engine.optimizer
     loaded = None
     if load is not None:
@@ -239,14 +246,14 @@ def tp_scenarios(rank: int, world_size: int, scenarios: list[dict]) -> list[dict
                 results.append({"error": None})
             continue
         if scenario["mode"] == "fed":
-            results.append(_fed_run(config, scenario["steps"], tp, model))
+            results.append(_fed_run(config, scenario["steps"], tp, model, save=scenario.get("save")))
             continue
         if scenario.get("canzona") is None:
             force_deepspeed_ns_dtype(torch.float32)  # DeepSpeed's Muon in fp32 too: only the distribution differs
         meter = CollectiveMeter(world_size=world_size).install() if scenario.get("meter") else None
         try:
             results.append(_train_run(config, scenario["steps"], rank // tp, meter=meter, load=scenario.get("load"),
-                                      save=scenario.get("save")))
+                                      save=scenario.get("save"), model=model))
         finally:
             if meter is not None:
                 meter.uninstall()

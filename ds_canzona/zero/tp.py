@@ -12,7 +12,10 @@ adds Canzona's micro-group pipeline for the sharded matrices:
   ``ds_canzona.plan.plan_tp_hosts``, by cost, in micro-groups of at most
   ``canzona.tp_micro_group_bytes`` gathered bytes per host) receives every slice of the clipped
   fp32 gradient, runs the same per-tensor rule as the single-process optimizer on the whole
-  matrix, and sends every TP rank its slice of the new values (``tp_exchange``).
+  matrix, and sends every TP rank its slice of the new values (``tp_exchange``). A fused weight
+  AutoTP cuts per sub-parameter (qkv, gate_up) is reassembled whole and updated as its
+  sub-parameters, each its own matrix (``_sub_parameters``); Muon only, as Shampoo's and SOAP's
+  per-matrix factors have no place in a fused tensor's state.
 - Where state lives: the host keeps the whole matrix's fp32 master and its optimizer state
   (momentum, Shampoo/SOAP factors). Shampoo's and SOAP's factors need the whole matrix anyway;
   keeping the momentum there too makes the host's computation exactly the single-process one on
