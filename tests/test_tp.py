@@ -28,7 +28,6 @@ import torch
 from distributed import run_ranks
 from tp_workers import (
     logical_params,
-    make_phi3,
     make_qwen3,
     phi3_sub_sizes,
     reference_fed,
@@ -214,6 +213,8 @@ def tp2_dp1():
          "stage": 1, "canzona": {}},
         {"tp": 2, "mode": "refused", "optimizer": SHAMPOO, "stage": 1, "canzona": {}, "model": "phi3"},
         {"tp": 2, "mode": "refused", "optimizer": SOAP, "stage": 1, "canzona": {}, "model": "phi3"},
+        {"tp": 2, "mode": "fed", "steps": FED_STEPS, "optimizer": MUON, "stage": 2, "canzona": {},
+         "model": "phi3_gqa"},
     ]
     return run_ranks(tp_scenarios, 2, scenarios, timeout=900)
 
@@ -222,21 +223,21 @@ def test_tp2_dp1_is_bitwise_the_single_process_step(tp2_dp1):
     assert_bitwise(logical_params(scenario(tp2_dp1, 0), 2), reference_fed(SHAMPOO, steps=FED_STEPS))
 
 
-def assert_fused_update_is_separate_matrices(ranks: list[dict], tp: int) -> None:
+def assert_fused_update_is_separate_matrices(ranks: list[dict], tp: int, model: str = "phi3") -> None:
     """Phi3 under AutoTP's phi3 preset: each TP slice of qkv_proj (gate_up_proj) is a piece of each of
     q, k, v (gate, up). Fed the same full gradients, the update is bit for bit the single-process Muon on
     q, k, v, gate and up as separate matrices, cut from the fused weights and gradients by the test; Muon
     on each fused weight as one matrix lands far away (so the comparison can fail)."""
-    sub_sizes = phi3_sub_sizes()
+    sub_sizes = phi3_sub_sizes(model)
     fused = ranks[0]["fused"]
     assert fused.keys() == sub_sizes.keys()
     for name, widths in fused.items():
         assert tuple(sum(per_rank) for per_rank in widths) == sub_sizes[name]
         assert all(len(per_rank) == tp for per_rank in widths)
     got = logical_params(ranks, tp)
-    separate = reference_fed_phi3(MUON, steps=FED_STEPS, separate=True)
-    one_matrix = reference_fed_phi3(MUON, steps=FED_STEPS, separate=False)
-    initial = {n: p.detach() for n, p in make_phi3().named_parameters()}
+    separate = reference_fed_phi3(MUON, steps=FED_STEPS, separate=True, model=model)
+    one_matrix = reference_fed_phi3(MUON, steps=FED_STEPS, separate=False, model=model)
+    initial = reference_fed_phi3(MUON, steps=0, separate=False, model=model)
     assert got.keys() == separate.keys()
     for name in separate:
         assert not torch.equal(separate[name], initial[name]), f"{name} did not move"
@@ -251,6 +252,15 @@ def assert_fused_update_is_separate_matrices(ranks: list[dict], tp: int) -> None
 
 def test_fused_sub_parameters_tp2_dp1_update_each_sub_matrix_bitwise(tp2_dp1):
     assert_fused_update_is_separate_matrices(scenario(tp2_dp1, 1), 2)
+
+
+def test_fused_sub_parameters_of_unequal_sizes_tp2_dp1_update_each_sub_matrix_bitwise(tp2_dp1):
+    """A Phi3 with 3 KV heads for 6 heads: q is 48 rows, k and v 24 each, cut per sub-parameter on whole
+    KV heads (q 32/16, k and v 16/8 at TP=2: uneven, and different per sub-parameter)."""
+    ranks = scenario(tp2_dp1, 5)
+    qkv = ranks[0]["fused"]["model.layers.0.self_attn.qkv_proj.weight"]
+    assert qkv == ((32, 16), (16, 8), (16, 8)), qkv
+    assert_fused_update_is_separate_matrices(ranks, 2, model="phi3_gqa")
 
 
 @pytest.mark.parametrize("index, kind", [(3, "shampoo"), (4, "soap")])

@@ -34,13 +34,16 @@ def make_qwen3(seed: int = 0):
     return model
 
 
-def make_phi3(seed: int = 0):
-    """A Phi3: fused qkv_proj and gate_up_proj, which AutoTP shards per sub-parameter (SubParam* layers)."""
+def make_phi3(seed: int = 0, kv_heads: int | None = None):
+    """A Phi3: fused qkv_proj and gate_up_proj, which AutoTP shards per sub-parameter (SubParam* layers).
+
+    By default with as many KV heads as heads (the phi3 preset cuts qkv in equal thirds);
+    ``kv_heads`` makes k and v smaller than q (a partition config then gives the sizes)."""
     from transformers import Phi3Config, Phi3ForCausalLM
 
     torch.manual_seed(seed)
     settings = {key: value for key, value in QWEN3_TP.items() if key != "head_dim"}
-    settings["num_key_value_heads"] = settings["num_attention_heads"]  # the preset cuts qkv in equal thirds
+    settings["num_key_value_heads"] = kv_heads or settings["num_attention_heads"]
     model = Phi3ForCausalLM(Phi3Config(**settings, pad_token_id=0))
     model.train()
     return model
@@ -80,6 +83,14 @@ def ds_config(*, tp: int, dp: int, optimizer: dict, stage: int = 1, ga: int = 1,
         config["bf16"] = {"enabled": True}
     if model == "phi3":
         config["tensor_parallel"]["preset_model"] = "phi3"  # fused qkv_proj and gate_up_proj, per sub-parameter
+    if model == "phi3_gqa":  # the phi3 preset's layers, with q, k and v of their own sizes
+        q, k, v = phi3_sub_sizes(model)["model.layers.0.self_attn.qkv_proj.weight"]
+        config["tensor_parallel"]["partition_config"] = {"use_default_specs": False, "layer_specs": [
+            {"patterns": [r".*\.self_attn\.o_proj\.weight$", r".*\.mlp\.down_proj\.weight$"], "partition_type": "row"},
+            {"patterns": [r".*\.self_attn\.qkv_proj\.weight$"], "partition_type": "column", "shape": [[q, k, v], -1],
+             "partition_dim": 0},
+            {"patterns": [r".*\.mlp\.gate_up_proj\.weight$"], "partition_type": "column", "shape": [2, -1],
+             "partition_dim": 0}]}
     if canzona is not None:
         config["canzona"] = {"log_plan": False, "bucket_numel": 3000, **canzona}
     return config
@@ -314,9 +325,9 @@ def reference_fed(optimizer: dict, *, steps: int, bf16: bool = False) -> dict[st
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def phi3_sub_sizes() -> dict[str, tuple[int, ...]]:
-    """The sub-parameter row counts of make_phi3's fused weights, from its config: q, k, v and gate, up."""
-    model = make_phi3()
+def phi3_sub_sizes(model: str = "phi3") -> dict[str, tuple[int, ...]]:
+    """The sub-parameter row counts of a Phi3's fused weights, from its config: q, k, v and gate, up."""
+    model = MODELS[model]()
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
     qkv = (config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim,
@@ -326,7 +337,7 @@ def phi3_sub_sizes() -> dict[str, tuple[int, ...]]:
             if "qkv_proj.weight" in name or "gate_up_proj.weight" in name}
 
 
-def reference_fed_phi3(optimizer: dict, *, steps: int, separate: bool) -> dict[str, torch.Tensor]:
+def reference_fed_phi3(optimizer: dict, *, steps: int, separate: bool, model: str = "phi3") -> dict[str, torch.Tensor]:
     """The single-process optimizer on make_phi3 fed ``full_gradient``, clipped as the runtime clips.
 
     ``separate``: each fused weight (qkv_proj, gate_up_proj) is given to the optimizer as its
@@ -337,9 +348,9 @@ def reference_fed_phi3(optimizer: dict, *, steps: int, separate: bool) -> dict[s
     from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
     from ds_canzona.zero.build import translate_optimizer_params
 
-    model = make_phi3()
+    sub_sizes = phi3_sub_sizes(model) if separate else {}
+    model = MODELS[model]()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    sub_sizes = phi3_sub_sizes() if separate else {}
     tensors: list[tuple[str, torch.nn.Parameter]] = []  # what the optimizer sees
     for name, param in named:
         if name in sub_sizes:
@@ -371,7 +382,7 @@ def reference_fed_phi3(optimizer: dict, *, steps: int, separate: bool) -> dict[s
     return out
 
 
-MODELS = {"qwen3": make_qwen3, "phi3": make_phi3}
+MODELS = {"qwen3": make_qwen3, "phi3": make_phi3, "phi3_gqa": lambda: make_phi3(kv_heads=3)}
 
 
 def logical_params(results: list[dict], tp: int) -> dict[str, torch.Tensor]:
