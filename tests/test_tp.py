@@ -307,6 +307,36 @@ def test_held_before_counts_a_slice_in_logical_order():
     assert TPSplit(logical_shape=(10, 4), dim=0, widths=fused[0][2]).runs(0) == ((0, 2), (4, 3), (8, 1))
 
 
+def test_read_tp_splits_takes_sub_parameter_widths_and_refuses_what_it_cannot_place():
+    """AutoTP's metadata on stand-in parameters: a fused weight's split comes from its sub_param_shard_widths;
+    a layout AutoTP marks unsupported, and a sub-parameter view whose logical shape is not the parameter's
+    (a 3-D (heads, head_dim, in) view of a 2-D weight), are refused naming the parameter."""
+    from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
+
+    from ds_canzona.config import CanzonaConfigError
+    from ds_canzona.zero.tp_layout import read_tp_splits
+
+    def param(shape: tuple[int, ...], **meta) -> torch.nn.Parameter:
+        p = torch.nn.Parameter(torch.zeros(shape))
+        setattr(p, DS_AUTOTP_UC_META, {"partition_dim": 0, "conversion": {}, **meta})
+        return p
+
+    fused = param((24 + 16, 8), logical_shape=(64, 8), sub_param_sizes=(32, 16, 16),
+                  sub_param_shard_widths=[[24, 8], [8, 8], [8, 8]])
+    (split,) = read_tp_splits([("qkv.weight", fused)], tp_rank=0, tp_size=2)
+    assert split.fused and split.sub_sizes == (32, 16, 16) and split.runs(0) == ((0, 24), (32, 8), (48, 8))
+    assert split.runs(1) == ((24, 8), (40, 8), (56, 8))
+
+    unsupported = param((12, 8), logical_shape=(24, 8), partition_sizes=(12, 12),
+                        conversion={"unsupported_reason": "its fused qkv layout interleaves blocks"})
+    viewed = param((16, 8), logical_shape=(4, 8, 8), sub_param_sizes=None, sub_param_shard_widths=[[2, 2]])
+    for name, p, why in [("codegen.qkv.weight", unsupported, "marks unsupported"),
+                         ("heads.weight", viewed, "sub-parameter view of another shape")]:
+        with pytest.raises(CanzonaConfigError, match=why) as error:
+            read_tp_splits([(name, p)], tp_rank=0, tp_size=2)
+        assert name in str(error.value) and str(error.value).startswith("tensor_parallel.autotp_size")
+
+
 def checkpoint_contents(directory: str) -> tuple[dict, dict]:
     """Masters and optimizer state by tensor name, as ds_canzona's reader puts them together."""
     from ds_canzona.zero.checkpoint import Checkpoint
