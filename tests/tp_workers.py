@@ -107,7 +107,8 @@ def _splits(engine) -> dict[str, tuple[int, tuple[int, ...]] | None]:
             out[name] = None
         elif meta.get("sub_param_shard_widths") is not None:
             widths = meta["sub_param_shard_widths"]
-            out[name] = (int(meta["partition_dim"]), tuple(sum(int(w[r]) for w in widths) for r in range(len(widths[0]))))
+            per_rank = tuple(sum(int(w[r]) for w in widths) for r in range(len(widths[0])))
+            out[name] = (int(meta["partition_dim"]), per_rank)
         else:
             out[name] = (int(meta["partition_dim"]), tuple(int(s) for s in meta["partition_sizes"]))
     return out

@@ -144,8 +144,9 @@ def _refuse(name: str, why: str) -> CanzonaConfigError:
     return CanzonaConfigError(
         f"tensor_parallel.autotp_size: parameter {name!r} is {why}; ds_canzona's tensor-parallel optimizer step "
         "handles parameters AutoTP splits along one dim (LinearLayer, LinearAllreduce, their biases, and fused "
-        "SubParam* layers cut per sub-parameter) and replicated ones. Keep this layer out of AutoTP's partition config (or unfused), set "
-        "tensor_parallel.autotp_size to 1, or remove the 'canzona' section to use DeepSpeed's own optimizer")
+        "SubParam* layers cut per sub-parameter) and replicated ones. Keep this layer out of AutoTP's partition "
+        "config, set tensor_parallel.autotp_size to 1, or remove the 'canzona' section to use DeepSpeed's own "
+        "optimizer")
 
 
 def read_tp_splits(named_params: list[tuple[str, torch.nn.Parameter]], *, tp_rank: int,
