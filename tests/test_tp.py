@@ -26,7 +26,15 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from tp_workers import logical_params, make_qwen3, reference_fed, reference_training, tp_scenarios
+from tp_workers import (
+    logical_params,
+    make_qwen3,
+    phi3_sub_sizes,
+    reference_fed,
+    reference_fed_phi3,
+    reference_training,
+    tp_scenarios,
+)
 
 MUON = {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 0.003, "weight_decay": 0.01}}
 SHAMPOO = {"type": "Shampoo", "params": {"lr": 0.003, "adam_lr": 0.003, "weight_decay": 0.01}}
@@ -53,9 +61,10 @@ def assert_bitwise(got: dict, ref: dict) -> None:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """Checkpoint directories: A saved at TP=2 x DP=2, B at TP=1 x DP=3 after loading A, C at TP=4 after loading B."""
+    """Checkpoint directories: A saved at TP=2 x DP=2, B at TP=1 x DP=3 after loading A, C at TP=4 after loading B;
+    D: Phi3 (fused weights) saved at TP=2 x DP=2, E at TP=1 x DP=3 after loading D."""
     root = tmp_path_factory.mktemp("tp_checkpoints")
-    return {name: str(root / name) for name in "ABC"}
+    return {name: str(root / name) for name in "ABCDE"}
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +81,8 @@ def tp2_dp2(checkpoints):
          "save": checkpoints["A"]},
         {"tp": 2, "mode": "fed", "steps": FED_STEPS, "optimizer": MUON, "stage": 2, "canzona": SMALL_GROUPS,
          "bf16": True},
+        {"tp": 2, "mode": "fed", "steps": FED_STEPS, "optimizer": MUON, "stage": 2, "canzona": SMALL_GROUPS,
+         "model": "phi3", "save": checkpoints["D"]},
     ]
     return run_ranks(tp_scenarios, 4, scenarios, timeout=1200)
 
@@ -86,6 +97,34 @@ def test_tp2_dp2_fed_update_is_bitwise_the_single_process_step(tp2_dp2, index, o
     reference = reference_fed(optimizer, steps=FED_STEPS)
     assert_bitwise(logical_params(ranks, 2), reference)
     assert_bitwise(logical_params(ranks[2:], 2), reference)  # the other DP rank's TP group holds the same
+
+
+def test_fused_sub_parameters_tp2_dp2_update_each_sub_matrix_bitwise(tp2_dp2):
+    ranks = scenario(tp2_dp2, 8)
+    assert_fused_update_is_separate_matrices(ranks, 2)
+    other = logical_params(ranks[2:], 2)  # the other DP rank's TP group holds the same
+    for name, value in logical_params(ranks, 2).items():
+        assert torch.equal(other[name], value), name
+
+
+def test_fused_sub_parameters_checkpoint_reshards_from_tp2_to_tp1(tp2_dp2, tp1_dp3, checkpoints):
+    """A fused weight is stored fused, under the model's name (qkv_proj.weight, gate_up_proj.weight), with its
+    momentum of the same shape: saved at TP=2 x DP=2 it loads at TP=1 x DP=3, and saved again there it is
+    the same checkpoint by name and value."""
+    saved_params = logical_params(scenario(tp2_dp2, 8), 2)
+    masters_d, state_d = checkpoint_contents(checkpoints["D"] + "/saved")
+    assert masters_d.keys() == saved_params.keys()
+    for name, master in masters_d.items():
+        assert torch.equal(master, saved_params[name]), name
+    for name in phi3_sub_sizes():
+        assert state_d[name]["momentum_buffer"].shape == masters_d[name].shape
+    for rank in scenario(tp1_dp3, 1):
+        for name, master in masters_d.items():
+            assert torch.equal(rank["loaded"][name], master), name
+    masters_e, state_e = checkpoint_contents(checkpoints["E"] + "/saved")
+    for name in masters_d:
+        assert torch.equal(masters_e[name], masters_d[name]), name
+    assert_same_state(state_e, state_d)
 
 
 def test_tp2_dp2_bf16_parameters_are_the_rounded_single_process_masters(tp2_dp2):
@@ -140,7 +179,9 @@ def test_tp2_dp2_plan_summary_prints_the_tp_load(tp2_dp2):
 @pytest.fixture(scope="module")
 def tp1_dp3(tp2_dp2, checkpoints):
     scenarios = [{"tp": 1, "mode": "train", "steps": 1, "optimizer": SOAP, "stage": 1, "canzona": {},
-                  "load": checkpoints["A"], "save": checkpoints["B"]}]
+                  "load": checkpoints["A"], "save": checkpoints["B"]},
+                 {"tp": 1, "mode": "train", "steps": 0, "optimizer": MUON, "stage": 1, "canzona": {},
+                  "model": "phi3", "load": checkpoints["D"], "save": checkpoints["E"]}]
     return run_ranks(tp_scenarios, 3, scenarios, timeout=900)
 
 
@@ -166,9 +207,14 @@ def test_tp4_with_empty_slices_is_bitwise_the_single_process_step(tp4_dp1, index
 def tp2_dp1():
     scenarios = [
         {"tp": 2, "mode": "fed", "steps": FED_STEPS, "optimizer": SHAMPOO, "stage": 1, "canzona": SMALL_GROUPS},
-        {"tp": 2, "mode": "refused", "optimizer": MUON, "stage": 1, "canzona": {}, "phi3": True},
+        {"tp": 2, "mode": "fed", "steps": FED_STEPS, "optimizer": MUON, "stage": 1, "canzona": SMALL_GROUPS,
+         "model": "phi3"},
         {"tp": 2, "mode": "refused", "optimizer": {"type": "Muon", "params": {"lr": 0.02, "per_head_muon": True}},
          "stage": 1, "canzona": {}},
+        {"tp": 2, "mode": "refused", "optimizer": SHAMPOO, "stage": 1, "canzona": {}, "model": "phi3"},
+        {"tp": 2, "mode": "refused", "optimizer": SOAP, "stage": 1, "canzona": {}, "model": "phi3"},
+        {"tp": 2, "mode": "fed", "steps": FED_STEPS, "optimizer": MUON, "stage": 2, "canzona": {},
+         "model": "phi3_gqa"},
     ]
     return run_ranks(tp_scenarios, 2, scenarios, timeout=900)
 
@@ -177,12 +223,55 @@ def test_tp2_dp1_is_bitwise_the_single_process_step(tp2_dp1):
     assert_bitwise(logical_params(scenario(tp2_dp1, 0), 2), reference_fed(SHAMPOO, steps=FED_STEPS))
 
 
-def test_fused_sub_parameters_are_refused_at_init(tp2_dp1):
-    """Phi3's fused qkv_proj under AutoTP's phi3 preset (SubParamColumnParallel): refused, naming it."""
-    for rank in scenario(tp2_dp1, 1):
+def assert_fused_update_is_separate_matrices(ranks: list[dict], tp: int, model: str = "phi3") -> None:
+    """Phi3 under AutoTP's phi3 preset: each TP slice of qkv_proj (gate_up_proj) is a piece of each of
+    q, k, v (gate, up). Fed the same full gradients, the update is bit for bit the single-process Muon on
+    q, k, v, gate and up as separate matrices, cut from the fused weights and gradients by the test; Muon
+    on each fused weight as one matrix lands far away (so the comparison can fail)."""
+    sub_sizes = phi3_sub_sizes(model)
+    fused = ranks[0]["fused"]
+    assert fused.keys() == sub_sizes.keys()
+    for name, widths in fused.items():
+        assert tuple(sum(per_rank) for per_rank in widths) == sub_sizes[name]
+        assert all(len(per_rank) == tp for per_rank in widths)
+    got = logical_params(ranks, tp)
+    separate = reference_fed_phi3(MUON, steps=FED_STEPS, separate=True, model=model)
+    one_matrix = reference_fed_phi3(MUON, steps=FED_STEPS, separate=False, model=model)
+    initial = reference_fed_phi3(MUON, steps=0, separate=False, model=model)
+    assert got.keys() == separate.keys()
+    for name in separate:
+        assert not torch.equal(separate[name], initial[name]), f"{name} did not move"
+        assert torch.equal(got[name], separate[name]), f"{name}: max |diff| {(got[name] - separate[name]).abs().max()}"
+    for name in sub_sizes:
+        # The slice is not the logical weight's leading rows (what an even chunk would assume).
+        local = ranks[0]["params"][name]
+        assert not torch.equal(local, got[name][:local.shape[0]]), name
+        gap = (one_matrix[name] - separate[name]).norm() / (separate[name] - initial[name]).norm()
+        assert gap > 0.1, (name, float(gap))
+
+
+def test_fused_sub_parameters_tp2_dp1_update_each_sub_matrix_bitwise(tp2_dp1):
+    assert_fused_update_is_separate_matrices(scenario(tp2_dp1, 1), 2)
+
+
+def test_fused_sub_parameters_of_unequal_sizes_tp2_dp1_update_each_sub_matrix_bitwise(tp2_dp1):
+    """A Phi3 with 3 KV heads for 6 heads: q is 48 rows, k and v 24 each, cut per sub-parameter on whole
+    KV heads (q 32/16, k and v 16/8 at TP=2: uneven, and different per sub-parameter)."""
+    ranks = scenario(tp2_dp1, 5)
+    qkv = ranks[0]["fused"]["model.layers.0.self_attn.qkv_proj.weight"]
+    assert qkv == ((32, 16), (16, 8), (16, 8)), qkv
+    assert_fused_update_is_separate_matrices(ranks, 2, model="phi3_gqa")
+
+
+@pytest.mark.parametrize("index, kind", [(3, "shampoo"), (4, "soap")])
+def test_fused_sub_parameters_with_shampoo_or_soap_are_refused_at_init(tp2_dp1, index, kind):
+    """Shampoo's and SOAP's factors are per matrix: a fused weight's sub-matrices would need a state layout
+    of their own, so a fused weight under either is refused at init, naming it."""
+    for rank in scenario(tp2_dp1, index):
         assert rank["error"] is not None
-        assert "qkv_proj.weight" in rank["error"] and "fused sub-parameter" in rank["error"]
-        assert rank["error"].startswith("tensor_parallel.autotp_size")
+        assert rank["error"].startswith(f"optimizer.type: {kind} cannot update parameter"), rank["error"]
+        assert "qkv_proj.weight" in rank["error"] or "gate_up_proj.weight" in rank["error"]
+        assert "per sub-parameter" in rank["error"]
 
 
 def test_per_head_muon_with_autotp_is_refused_at_init(tp2_dp1):
@@ -191,17 +280,61 @@ def test_per_head_muon_with_autotp_is_refused_at_init(tp2_dp1):
 
 
 def test_held_before_counts_a_slice_in_logical_order():
-    """A logical flat range maps to a contiguous local range: checked against a mask for every split kind."""
+    """A logical flat range maps to a contiguous local range: checked against a mask for every split kind,
+    plain and fused (a piece of each sub-parameter per rank); a rank's slice and its logical indices agree,
+    and writing every rank's slice back rebuilds the logical tensor."""
     from ds_canzona.zero.tp_layout import TPSplit
 
-    for shape, dim, sizes in [((5, 4), 0, (3, 2)), ((5, 4), 1, (1, 3)), ((3, 4, 2), 1, (2, 0, 2)), ((6,), 0, (4, 2))]:
-        split = TPSplit(logical_shape=shape, dim=dim, sizes=sizes)
+    plain = [((5, 4), 0, (3, 2)), ((5, 4), 1, (1, 3)), ((3, 4, 2), 1, (2, 0, 2)), ((6,), 0, (4, 2))]
+    fused = [((10, 4), 0, ((2, 2), (3, 1), (1, 1))), ((3, 6), 1, ((1, 2), (0, 3))), ((2, 5, 3), 1, ((2, 0), (1, 2))),
+             ((8,), 0, ((2, 2), (2, 2)))]
+    splits = [TPSplit.plain(shape, dim, sizes) for shape, dim, sizes in plain]
+    splits += [TPSplit(logical_shape=shape, dim=dim, widths=widths) for shape, dim, widths in fused]
+    for split in splits:
+        shape = split.logical_shape
         full = torch.arange(torch.Size(shape).numel()).reshape(shape)
-        for rank in range(len(sizes)):
+        rebuilt = torch.full_like(full, -1)
+        for rank in range(len(split.sizes)):
             held = split.slice_of(full, rank).reshape(-1)
             assert torch.equal(held, held.sort().values)
+            assert torch.equal(split.logical_index(rank, 0, held.numel()), held)
             for index in range(full.numel() + 1):
                 assert split.held_before(rank, index) == int((held < index).sum())
+            split.write_slice(rebuilt, rank, split.slice_of(full, rank))
+        assert torch.equal(rebuilt, full)
+    # Fused: rank 0 of ((2, 2), (3, 1), (1, 1)) holds rows 0-1 of the first sub-parameter, rows 4-6 of the
+    # second and row 8 of the third.
+    assert TPSplit(logical_shape=(10, 4), dim=0, widths=fused[0][2]).runs(0) == ((0, 2), (4, 3), (8, 1))
+
+
+def test_read_tp_splits_takes_sub_parameter_widths_and_refuses_what_it_cannot_place():
+    """AutoTP's metadata on stand-in parameters: a fused weight's split comes from its sub_param_shard_widths;
+    a layout AutoTP marks unsupported, and a sub-parameter view whose logical shape is not the parameter's
+    (a 3-D (heads, head_dim, in) view of a 2-D weight), are refused naming the parameter."""
+    from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
+
+    from ds_canzona.config import CanzonaConfigError
+    from ds_canzona.zero.tp_layout import read_tp_splits
+
+    def param(shape: tuple[int, ...], **meta) -> torch.nn.Parameter:
+        p = torch.nn.Parameter(torch.zeros(shape))
+        setattr(p, DS_AUTOTP_UC_META, {"partition_dim": 0, "conversion": {}, **meta})
+        return p
+
+    fused = param((24 + 16, 8), logical_shape=(64, 8), sub_param_sizes=(32, 16, 16),
+                  sub_param_shard_widths=[[24, 8], [8, 8], [8, 8]])
+    (split,) = read_tp_splits([("qkv.weight", fused)], tp_rank=0, tp_size=2)
+    assert split.fused and split.sub_sizes == (32, 16, 16) and split.runs(0) == ((0, 24), (32, 8), (48, 8))
+    assert split.runs(1) == ((24, 8), (40, 8), (56, 8))
+
+    unsupported = param((12, 8), logical_shape=(24, 8), partition_sizes=(12, 12),
+                        conversion={"unsupported_reason": "its fused qkv layout interleaves blocks"})
+    viewed = param((16, 8), logical_shape=(4, 8, 8), sub_param_sizes=None, sub_param_shard_widths=[[2, 2]])
+    for name, p, why in [("codegen.qkv.weight", unsupported, "marks unsupported"),
+                         ("heads.weight", viewed, "sub-parameter view of another shape")]:
+        with pytest.raises(CanzonaConfigError, match=why) as error:
+            read_tp_splits([(name, p)], tp_rank=0, tp_size=2)
+        assert name in str(error.value) and str(error.value).startswith("tensor_parallel.autotp_size")
 
 
 def checkpoint_contents(directory: str) -> tuple[dict, dict]:

@@ -160,9 +160,10 @@ def _is_autotp_mpu(mpu) -> bool:
 def _check_autotp(engine, autotp: int) -> None:
     """AutoTP is supported with ZeRO-1/2 (ds_canzona.zero.tp); what that runtime lacks is refused here.
 
-    Layouts AutoTP may produce that the runtime does not handle (fused sub-parameters) are
-    refused in ``ds_canzona.zero.tp_layout`` once the model is sharded, still before anything of
-    ds_canzona is allocated.
+    Layouts AutoTP may produce that the runtime does not handle (those AutoTP marks unsupported;
+    a fused sub-parameter weight under Shampoo or SOAP) are refused in ``ds_canzona.zero.tp_layout``
+    and ``ds_canzona.zero.tp`` once the model is sharded, still before anything of ds_canzona is
+    allocated.
     """
     mpu = getattr(engine, "mpu", None)
     if mpu is not None and not _is_autotp_mpu(mpu):

@@ -12,7 +12,10 @@ adds Canzona's micro-group pipeline for the sharded matrices:
   ``ds_canzona.plan.plan_tp_hosts``, by cost, in micro-groups of at most
   ``canzona.tp_micro_group_bytes`` gathered bytes per host) receives every slice of the clipped
   fp32 gradient, runs the same per-tensor rule as the single-process optimizer on the whole
-  matrix, and sends every TP rank its slice of the new values (``tp_exchange``).
+  matrix, and sends every TP rank its slice of the new values (``tp_exchange``). A fused weight
+  AutoTP cuts per sub-parameter (qkv, gate_up) is reassembled whole and updated as its
+  sub-parameters, each its own matrix (``_sub_parameters``); Muon only, as Shampoo's and SOAP's
+  per-matrix factors have no place in a fused tensor's state.
 - Where state lives: the host keeps the whole matrix's fp32 master and its optimizer state
   (momentum, Shampoo/SOAP factors). Shampoo's and SOAP's factors need the whole matrix anyway;
   keeping the momentum there too makes the host's computation exactly the single-process one on
@@ -40,6 +43,7 @@ import torch
 
 import deepspeed.comm as dist
 
+from ds_canzona.config import CanzonaConfigError
 from ds_canzona.optim import rule_for_group
 from ds_canzona.plan import TPPlan, plan_tp_hosts, tp_host_bytes
 from ds_canzona.zero.layout import BufferLayout
@@ -50,6 +54,11 @@ from ds_canzona.zero.tp_exchange import ExchangedMatrix, MicroGroupExchange
 from ds_canzona.zero.tp_layout import TPSplit, read_tp_splits
 
 __all__ = ["CanzonaTPZeroOptimizer"]
+
+# Kinds that can update a fused weight AutoTP splits per sub-parameter: their state is elementwise
+# (Muon's momentum; AdamW's moments), so the fused state is the sub-parameters' states side by
+# side. Shampoo's and SOAP's factors are per matrix and would need a state layout of their own.
+FUSED_KINDS = frozenset({"muon", "adamw"})
 
 
 class CanzonaTPZeroOptimizer(CanzonaZeroOptimizer):
@@ -73,6 +82,13 @@ class CanzonaTPZeroOptimizer(CanzonaZeroOptimizer):
     def _plan_shapes(self) -> list[tuple[int, ...]]:
         self.splits: list[TPSplit | None] = read_tp_splits(list(zip(self.names, self.params)), tp_rank=self.tp_rank,
                                                            tp_size=self.tp_size)
+        for name, split, group in zip(self.names, self.splits, self.groups):
+            if split is not None and split.fused and group["kind"] not in FUSED_KINDS:
+                raise CanzonaConfigError(
+                    f"optimizer.type: {group['kind']} cannot update parameter {name!r}, a fused weight AutoTP splits "
+                    f"per sub-parameter (sizes {split.sub_sizes}): each sub-parameter is its own matrix, and "
+                    f"{group['kind']}'s preconditioner state is per matrix. Use Muon for it, keep the layer unfused "
+                    "or out of AutoTP's partition config, or set tensor_parallel.autotp_size to 1")
         return [split.logical_shape if split else tuple(p.shape) for split, p in zip(self.splits, self.params)]
 
     def _is_tp_matrix(self, item: int) -> bool:
@@ -168,9 +184,24 @@ class CanzonaTPZeroOptimizer(CanzonaZeroOptimizer):
         hosted = [self._hosted[j] for j in sorted(full_grads)]
         for group in self.optimizer.param_groups:
             members = [t for t in hosted if t.group is group]
-            if members:
-                rule_for_group(group).update_([t.master for t in members], [full_grads[t.index] for t in members],
-                                              [t.state for t in members], lr=group["lr"], known_finite=True)
+            if not members:
+                continue
+            masters, grads, states, write_back = [], [], [], []
+            for t in members:
+                split = self.splits[t.tensor]
+                if split.fused:
+                    sub_masters, sub_grads, sub_states = _sub_parameters(split, t.master, full_grads[t.index], t.state)
+                    masters += sub_masters
+                    grads += sub_grads
+                    states += sub_states
+                    write_back.append((t.state, sub_states[0], t.master))
+                else:
+                    masters.append(t.master)
+                    grads.append(full_grads[t.index])
+                    states.append(t.state)
+            rule_for_group(group).update_(masters, grads, states, lr=group["lr"], known_finite=True)
+            for state, first, master in write_back:
+                _keep_counters(state, first, master)
         return {t.index: t.master for t in hosted}
 
     @torch.no_grad()
@@ -281,6 +312,32 @@ class CanzonaTPZeroOptimizer(CanzonaZeroOptimizer):
             masters = {m.item: self._hosted[m.item].master for m in self.exchange.hosted(k)}
             self.exchange.finish_scatter(k, self.exchange.launch_scatter(k, masters), self._write_slice)
         self.refresh_params_from_masters()
+
+
+def _sub_parameters(split: TPSplit, master: torch.Tensor, grad: torch.Tensor,
+                    state: dict) -> tuple[list[torch.Tensor], list[torch.Tensor], list[dict]]:
+    """A fused matrix (qkv, gate_up) as its sub-parameters, each its own matrix for the rule.
+
+    Masters and elementwise state (Muon's momentum) are views into the fused tensors, so the rule
+    updates them in place and the fused master and state stay what checkpoints store. Gradients
+    are contiguous copies (the rule's matmuls see the same memory layout as a separate matrix).
+    Counters (0-dim state such as 'step') get one copy per sub-parameter; ``_keep_counters``
+    writes the first back (every sub-parameter advances its counter alike).
+    """
+    elementwise = {k for k, v in state.items() if torch.is_tensor(v) and v.shape == master.shape}
+    views = {k: split.sub_views(state[k]) for k in elementwise}
+    states = [{k: views[k][i] if k in elementwise else (v.clone() if torch.is_tensor(v) else v)
+               for k, v in state.items()} for i in range(len(split.widths))]
+    return split.sub_views(master), [g.contiguous() for g in split.sub_views(grad)], states
+
+
+def _keep_counters(state: dict, first: dict, master: torch.Tensor) -> None:
+    """Write the first sub-parameter's counters back into the fused state (elementwise state is shared)."""
+    for key, value in first.items():
+        if not torch.is_tensor(state[key]):
+            state[key] = value
+        elif state[key].shape != master.shape:
+            state[key].copy_(value)
 
 
 def _ratio(values: list[float]) -> float:

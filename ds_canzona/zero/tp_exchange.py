@@ -7,7 +7,8 @@ travel in micro-groups. Per micro-group there are exactly two collectives on the
 
     gather:   one all_to_all_single: every rank sends, to each host, its slices of the matrices
               that host computes (fp32 gradients); the host reassembles each whole matrix from
-              AutoTP's split (``TPSplit``), never by equal chunks
+              AutoTP's split (``TPSplit``, per sub-parameter for a fused qkv or gate_up), never
+              by equal chunks
     scatter:  one all_to_all_single: each host sends every rank its slice of each updated matrix
 
 Split sizes may be zero (a rank past the KV-head count holds an empty slice; a rank that hosts
@@ -114,7 +115,7 @@ class MicroGroupExchange:
             for m in hosted:
                 numel = m.split.local_numel(rank)
                 piece = flight.receive[position:position + numel].view(m.split.local_shape(rank))
-                m.split.slice_of(full[m.item], rank).copy_(piece)
+                m.split.write_slice(full[m.item], rank, piece)
                 position += numel
         return full
 
