@@ -271,7 +271,7 @@ def test_pieces_get_buckets_of_their_own_and_small_tied_models_meet_the_memory_t
     assert plan_buckets(specs, 2000, split_numel=1000) == [(0, 5)]  # nothing above 1000: nothing moves
 
     roofline = cost_model("roofline", "muon", machine_balance=150.0)
-    for name, world in (("qwen3-0.6b", 16), ("qwen3-1.7b", 32)):
+    for name, world in (("qwen3-0.6b", 16), ("qwen3-1.7b", 32), ("qwen3-0.6b", 64), ("qwen3-1.7b", 64)):
         specs = model_specs(name)
         plan = plan_dp_partitions(specs, world_size=world, bucket_numel=500_000_000, cost=roofline,
                                   split_numel=2**22)
@@ -288,3 +288,113 @@ def test_pieces_get_buckets_of_their_own_and_small_tied_models_meet_the_memory_t
             before_memory[rank] += plan.memory[item]
         assert max(plan.rank_costs()) <= max(before_loads) * (1 + 1e-9)
         assert max(before_memory) > 2.0 * sum(plan.memory) / world
+
+
+def test_three_chain_search_with_a_memory_capacity_equals_brute_force():
+    """With a memory capacity as well, the three-chain search finds a plan exactly when one exists."""
+    import itertools
+    import random
+
+    from ds_canzona.plan._packing import Problem
+    from ds_canzona.plan._three_chains import owner_at
+
+    def feasible(costs, memory, chains, world, capacity, memory_capacity):
+        def maps(n):
+            return itertools.combinations_with_replacement(range(world), n)
+        for runs in itertools.product(*(list(maps(stop - first)) for first, stop in chains)):
+            loads, held = [0.0] * world, [0.0] * world
+            for (first, stop), ranks in zip(chains, runs):
+                for item, rank in zip(range(first, stop), ranks):
+                    loads[rank] += costs[item]
+                    held[rank] += memory[item]
+            if max(loads) <= capacity and max(held) <= memory_capacity:
+                return True
+        return False
+
+    rng = random.Random(5)
+    found = 0
+    for _ in range(80):
+        sizes = [rng.randint(1, 4) for _ in range(3)]
+        n = sum(sizes)
+        costs = [float(rng.randint(1, 9)) for _ in range(n)]
+        memory = [float(rng.randint(1, 9)) for _ in range(n)]
+        chains = [(0, sizes[0]), (sizes[0], sizes[0] + sizes[1]), (sizes[0] + sizes[1], n)]
+        world = rng.randint(1, 3)
+        capacity = float(rng.randint(int(max(costs)), int(sum(costs))))
+        memory_capacity = float(rng.randint(int(max(memory)), int(sum(memory))))
+        problem = Problem([1] * n, costs, chains, world, [None] * 3)
+        owner = owner_at(problem, [capacity], memory=memory, memory_capacity=memory_capacity)
+        assert (owner is not None) == feasible(costs, memory, chains, world, capacity, memory_capacity)
+        if owner is not None:
+            found += 1
+            loads, held = [0.0] * world, [0.0] * world
+            for item, rank in enumerate(owner):
+                loads[rank] += costs[item]
+                held[rank] += memory[item]
+            assert max(loads) <= capacity and max(held) <= memory_capacity
+            for first, stop in chains:
+                assert owner[first:stop] == sorted(owner[first:stop])
+    assert 10 < found < 70  # both answers are exercised
+
+
+def default_plan(name: str, world: int):
+    roofline = cost_model("roofline", "muon", machine_balance=150.0)
+    return plan_dp_partitions(model_specs(name), world_size=world, bucket_numel=500_000_000, cost=roofline,
+                              split_numel=2**22)
+
+
+def test_qwen3_0_6b_at_dp128_memory_target_is_out_of_reach_under_the_contract():
+    """The exact three-bucket search: no plan within 2% of LPT holds under 1.25x the average; the planner's is the least."""
+    from ds_canzona.plan._packing import Problem
+    from ds_canzona.plan._three_chains import owner_at
+
+    world = 128
+    plan = default_plan("qwen3-0.6b", world)
+    assert len(plan.buckets) == 3
+    problem = Problem([s.numel for s in plan.specs], plan.costs, [(b.first, b.stop) for b in plan.buckets], world,
+                      [None] * 3)
+    gate = 1.02 * max(lpt_loads(plan.costs, world))  # the most step time the memory criterion may buy
+    average = sum(plan.memory) / world
+    assert owner_at(problem, [gate], memory=plan.memory, memory_capacity=1.25 * average) is None
+    # The least busiest memory under the contract at that step time is the planner's, to 0.01%.
+    peak = max(plan.rank_memory())
+    assert peak / average == pytest.approx(1.753, abs=5e-4)
+    assert max(plan.rank_costs()) <= gate
+    assert owner_at(problem, [gate], memory=plan.memory, memory_capacity=0.9999 * peak) is None
+    assert owner_at(problem, [gate], memory=plan.memory, memory_capacity=peak) is not None
+
+
+def test_qwen3_1_7b_at_dp128_memory_target_is_out_of_reach_in_any_order():
+    """A counting bound, buffer order ignored: below MLP + one embedding piece, 1.25x the average cannot be met.
+
+    Items (the plan's own costs and bytes): MLP matrices (a), q/o projections (b), k/v projections
+    (c), embedding pieces (p); norms and the short last piece are dropped (fewer items can only
+    lower the bound). At a makespan C < min(2a, a + p, a + c, 3b, 2b + p, 2b + c), every MLP rank
+    holds one MLP and none of b, c, p; the other R - #a ranks hold everything else, at most two q/o
+    each, and a rank with two q/o holds nothing more. With t such ranks, 2t + (R - #a - t) >= #b, and
+    the rest of the bytes fall on the other R - #a - t ranks.
+    """
+    world = 128
+    plan = default_plan("qwen3-1.7b", world)
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for item, spec in enumerate(plan.specs):
+        by_shape.setdefault(spec.shape, []).append(item)
+    mlp = by_shape[(6144, 2048)] + by_shape[(2048, 6144)]
+    qo, kv, pieces = by_shape[(2048, 2048)], by_shape[(1024, 2048)], by_shape[(2**22,)]
+    a, b, c, p = (plan.costs[group[0]] for group in (mlp, qo, kv, pieces))
+    for group in (mlp, qo, kv, pieces):  # each a class of equal items
+        assert len({(plan.costs[i], plan.memory[i]) for i in group}) == 1
+    ceiling = min(2 * a, a + p, a + c, 3 * b, 2 * b + p, 2 * b + c)
+    gate = 1.02 * max(lpt_loads(plan.costs, world))
+    assert gate < ceiling  # the argument covers every makespan the memory criterion may buy
+    others = world - len(mlp)
+    pairs = len(qo) - others  # the fewest ranks with two q/o
+    total = sum(plan.memory[i] for i in qo + kv + pieces)
+    assert total / others > 2 * plan.memory[qo[0]]  # so more such ranks only raise the bound
+    rest = sum(plan.memory[i] for i in qo + kv + pieces) - pairs * 2 * plan.memory[qo[0]]
+    bound = rest / (others - pairs)
+    average = sum(plan.memory) / world
+    assert (len(mlp), len(qo), len(kv), len(pieces), others, pairs) == (84, 56, 56, 74, 44, 12)
+    assert bound / average == pytest.approx(1.488, abs=5e-4)
+    assert bound > 1.25 * average
+    assert max(plan.rank_memory()) >= bound

@@ -25,8 +25,12 @@ from ._packing import Problem
 MAX_WORK = 2_000_000
 
 
-def owner_at(problem: Problem, capacities: Sequence[float]) -> list[int] | None:
-    """Owners under the first of ``capacities`` (tried in order) the three chains fit under, or None."""
+def owner_at(problem: Problem, capacities: Sequence[float], *, memory: Sequence[float] | None = None,
+             memory_capacity: float | None = None) -> list[int] | None:
+    """Owners under the first of ``capacities`` (tried in order) the three chains fit under, or None.
+
+    With ``memory`` (per item) and ``memory_capacity``, every rank's memory must fit as well.
+    """
     if problem.capped or len(problem.buckets) != 3:
         return None
     # chains[0] and chains[2] are the states' axes, chains[1] (the longest) is taken greedily.
@@ -36,8 +40,12 @@ def owner_at(problem: Problem, capacities: Sequence[float]) -> list[int] | None:
     if (lengths[0] + 1) * (lengths[2] + 1) * problem.world > MAX_WORK:
         return None
     prefixes = [list(itertools.accumulate(problem.costs[first:stop], initial=0.0)) for first, stop in chains]
+    bytes_prefixes = None
+    if memory is not None and memory_capacity is not None:
+        bytes_prefixes = [list(itertools.accumulate(memory[first:stop], initial=0.0)) for first, stop in chains]
+        memory_capacity *= 1.0 + 1e-12
     for capacity in capacities:
-        runs = _layout(prefixes, problem.world, capacity * (1.0 + 1e-12))
+        runs = _layout(prefixes, problem.world, capacity * (1.0 + 1e-12), bytes_prefixes, memory_capacity)
         if runs is not None:
             owner = [0] * len(problem.costs)
             for rank, rank_runs in enumerate(runs):
@@ -48,9 +56,18 @@ def owner_at(problem: Problem, capacities: Sequence[float]) -> list[int] | None:
     return None
 
 
-def _layout(prefixes: list[list[float]], world: int, capacity: float) -> list[list[tuple[int, int]]] | None:
-    """Per rank, its runs of the three chains (as in ``prefixes``), or None if ``capacity`` is infeasible."""
+def _layout(prefixes: list[list[float]], world: int, capacity: float, bytes_prefixes: list[list[float]] | None = None,
+            memory_capacity: float | None = None) -> list[list[tuple[int, int]]] | None:
+    """Per rank, its runs of the three chains (as in ``prefixes``), or None if ``capacity`` is infeasible.
+
+    With ``bytes_prefixes`` (the items' memory, summed the same way), a rank's memory must also
+    stay within ``memory_capacity``: a run is then the longest that fits under both.
+    """
     p0, p1, p2 = prefixes
+    if bytes_prefixes is None or memory_capacity is None:
+        # No memory limit: prefix sums of zeros never bind.
+        bytes_prefixes, memory_capacity = [[0.0] * len(p) for p in prefixes], 1.0
+    q0, q1, q2 = bytes_prefixes
     n0, n1, n2 = len(p0) - 1, len(p1) - 1, len(p2) - 1
     # reach[c][a]: the longest chain-1 prefix covered with chain-0 prefix a and chain-2 prefix c.
     reach = [[-1] * (n0 + 1) for _ in range(n2 + 1)]
@@ -62,17 +79,20 @@ def _layout(prefixes: list[list[float]], world: int, capacity: float) -> list[li
         parent = [[(-1, -1)] * (n0 + 1) for _ in range(n2 + 1)]
         for c in range(n2 + 1):
             row = reach[c]
-            last2 = bisect.bisect_right(p2, p2[c] + capacity) - 1
+            last2 = min(bisect.bisect_right(p2, p2[c] + capacity), bisect.bisect_right(q2, q2[c] + memory_capacity)) - 1
             for a in range(n0 + 1):
                 b = row[a]
                 if b < 0:
                     continue
                 for c2 in range(c, last2 + 1):
                     room0 = capacity - (p2[c2] - p2[c])
-                    last0 = bisect.bisect_right(p0, p0[a] + room0) - 1
+                    memory_room0 = memory_capacity - (q2[c2] - q2[c])
+                    last0 = min(bisect.bisect_right(p0, p0[a] + room0),
+                                bisect.bisect_right(q0, q0[a] + memory_room0)) - 1
                     out, back = step[c2], parent[c2]
                     for a2 in range(a, last0 + 1):
-                        reached = bisect.bisect_right(p1, p1[b] + room0 - (p0[a2] - p0[a])) - 1
+                        reached = min(bisect.bisect_right(p1, p1[b] + room0 - (p0[a2] - p0[a])),
+                                      bisect.bisect_right(q1, q1[b] + memory_room0 - (q0[a2] - q0[a]))) - 1
                         if reached > out[a2]:
                             out[a2], back[a2] = reached, (c, a)
         # Drop dominated states: another with at least as much of all three chains.
