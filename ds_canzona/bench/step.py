@@ -22,8 +22,9 @@ engine holds between steps by category, and the peak of a step.
 Systems (Muon): ds_canzona ZeRO-1 and ZeRO-2; DeepSpeed 0.19.8's own Muon at ZeRO-1 and ZeRO-2,
 with ``reduce_scatter`` on and off; the synchronous scheme and the layer-wise scheme
 (``baselines``); at ZeRO-3, DeepSpeed's own Muon (``reduce_scatter`` off, as it requires) and
-ds_canzona with the same config (reported "not available: <the error>" while ds_canzona refuses
-stage 3), whose tables ``step_zero3`` prints. Shampoo: ds_canzona ZeRO-1 and ZeRO-2 against the
+ds_canzona's owner placement with the same config (a system whose config ds_canzona refuses at
+``deepspeed.initialize`` is reported "not available: <the error>"), whose tables ``step_zero3``
+prints. Shampoo: ds_canzona ZeRO-1 and ZeRO-2 against the
 synchronous and layer-wise schemes. Every system runs the same Newton-Schulz method (Gram by
 default) in fp32: DeepSpeed's would pick fp16 on this CPU (oneDNN reports fp16 support) and is
 held at fp32, and its ``torch.compile`` wrapper is switched off (``TORCHDYNAMO_DISABLE=1`` in the
