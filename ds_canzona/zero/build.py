@@ -10,6 +10,7 @@ import torch
 
 from ds_canzona.config import MATRIX_OPTIMIZERS, CanzonaConfigError
 from ds_canzona.plan import CostModel, ParamSpec
+from ds_canzona.zero.support import autotp_size
 
 # DeepSpeed's Muon config keys and what they mean for ds_canzona's Muon: the shared lr and
 # weight_decay apply to both halves unless muon_lr / adam_lr say otherwise; betas and eps are the
@@ -155,7 +156,7 @@ def optimizer_from_config(engine, model_parameters=None):
     if config_params.get(_PER_HEAD_KEY, False):
         if name != "muon":
             raise CanzonaConfigError(f"optimizer.params.{_PER_HEAD_KEY} applies to Muon only, not {name}")
-        if (engine.autotp_size() or 0) > 1:
+        if autotp_size(engine) > 1:
             # DeepSpeed re-tags each shard with its own head count after AutoTP splits it, which
             # differs between TP ranks where KV heads divide unevenly; the whole-matrix update
             # would need the logical count. Not built yet.
@@ -288,7 +289,7 @@ def build_canzona_optimizer(engine, client_optimizer, model_parameters=None):
         return basic, _build_stage3(engine, basic, numerics)
     bucket_numel = config.bucket_numel or int(engine.zero_reduce_bucket_size())
     runtime, tensor_parallel = CanzonaZeroOptimizer, {}
-    if (engine.autotp_size() or 0) > 1:  # AutoTP: the micro-group pipeline (ds_canzona/zero/tp.py)
+    if autotp_size(engine) > 1:  # AutoTP: the micro-group pipeline (ds_canzona/zero/tp.py)
         from deepspeed.utils import groups
         from ds_canzona.zero.tp import CanzonaTPZeroOptimizer
         runtime, tensor_parallel = CanzonaTPZeroOptimizer, {"tp_process_group": groups.get_tensor_model_parallel_group()}

@@ -127,7 +127,7 @@ def _check_parallelism(engine, params: dict[str, Any]) -> None:
     _check_pipeline(engine)  # DeepSpeed 0.19.4+ set the flag before _do_sanity_check
     if bool((params.get("expert_parallel") or {}).get("enabled", False)):
         raise _refuse("expert_parallel.enabled (AutoEP)", "set it to false")
-    autotp = (engine.autotp_size() if hasattr(engine, "autotp_size") else 0) or 0
+    autotp = autotp_size(engine)
     if autotp > 1:
         _check_autotp(engine, autotp)
     sequence = params.get("sequence_parallel_size", 1)
@@ -149,6 +149,14 @@ def _check_parallelism(engine, params: dict[str, Any]) -> None:
     sequence = _mpu_size(mpu, "get_sequence_parallel_world_size")
     if sequence > 1:
         raise _refuse(f"an mpu with sequence parallel world size {sequence}", "pass mpu=None or an mpu of size 1")
+
+
+def autotp_size(engine) -> int:
+    """The engine's AutoTP size (``tensor_parallel.autotp_size``), 0 or 1 without AutoTP.
+
+    Read through the engine method where the DeepSpeed release has one.
+    """
+    return (engine.autotp_size() if hasattr(engine, "autotp_size") else 0) or 0
 
 
 def _is_autotp_mpu(mpu) -> bool:
@@ -228,4 +236,4 @@ def _check_engine_features(params: dict[str, Any]) -> None:
         raise _refuse("compile.deepcompile", "set it to false")
 
 
-__all__ = ["check_config_supported", "check_model_supported"]
+__all__ = ["autotp_size", "check_config_supported", "check_model_supported"]
