@@ -22,8 +22,8 @@ sets on every parameter, so the layout can be changed per parameter without touc
 
 Nothing else of DeepSpeed's ZeRO-3 changes: the coordinator's trace, prefetch, release, the
 module hooks, ``zero.Init`` itself. The closures' names and signatures were checked against
-DeepSpeed 0.19.0-0.19.8 (``partition_parameters.py``); ``ds_canzona.zero.stage3`` refuses any
-other version.
+DeepSpeed 0.19.0-0.19.8 (``partition_parameters.py``) and the runtime run on each
+(``scripts/compat.sh``); stage 3 is refused on any other version.
 
 A parameter is converted once, at engine start: DeepSpeed's own fetch gathers its even layout,
 the owner keeps the whole tensor as its new ``ds_tensor`` and every other rank an empty one.
@@ -41,6 +41,7 @@ import deepspeed.comm as dist
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, free_param
 
 from ds_canzona.zero.comm import CommCounter
+from ds_canzona.zero.hook import SUPPORTED_DEEPSPEED_VERSIONS
 
 # On an owner-placed parameter: its owner's rank in the data-parallel group.
 OWNER_ATTR = "ds_canzona_owner"
@@ -52,8 +53,10 @@ PATCHED_PARAM_CLOSURES = ("all_gather", "all_gather_coalesced", "partition", "pa
 
 
 # The releases whose ZeRO-3 closures, DeepSpeedZeRoOffload and coordinator this module and
-# ds_canzona.zero.stage3 were read against and tested with (docs/NOTES.md).
-STAGE3_DEEPSPEED_VERSIONS = ("0.19.8",)
+# ds_canzona.zero.stage3 were read against and tested with: every release the hook accepts, each
+# passing `COMPAT_SUBSET=stage3 scripts/compat.sh` (docs/NOTES.md, "DeepSpeed versions"). A release
+# added to the hook's list needs that run too, or a list of its own here.
+STAGE3_DEEPSPEED_VERSIONS = SUPPORTED_DEEPSPEED_VERSIONS
 
 
 def check_stage3_version(version: str) -> None:

@@ -213,7 +213,10 @@ class CanzonaZero3Optimizer(OwnerRuntime):
 
     def backward_epilogue(self, **kwargs) -> None:
         release = getattr(self.parameter_offload, "release_backward_leftovers", None)
-        if release is not None:  # DeepSpeed 0.19.8: modules whose post-backward hook never fired
+        # Frees the parameters of modules whose post-backward hook never fired (a no-grad input).
+        # DeepSpeed 0.19.0-0.19.2 have no such call (0.19.3 on do); there they stay fetched until
+        # partition_all_parameters at the start of the step.
+        if release is not None:
             release()
 
     # ------------------------------------------------------------------ step
