@@ -114,7 +114,7 @@ class Replay:
     """
 
     def __init__(self, optimizer: dict, model_factory: Callable[[], torch.nn.Module], *, clip: float,
-                 param_dtype: torch.dtype = torch.float32):
+                 param_dtype: torch.dtype = torch.float32, split_numel: int | None = None):
         from ds_canzona.zero.build import translate_optimizer_params
         import ds_canzona.optim as optim
 
@@ -125,6 +125,7 @@ class Replay:
                     p.copy_(p.to(param_dtype).float())
         self.param_dtype = param_dtype
         self.clip = clip
+        self.split_numel = split_numel  # the clipping norm's items: canonical pieces of large non-matrix tensors
         self.named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         name = optimizer["type"].lower()
         cls = {"muon": optim.Muon, "shampoo": optim.Shampoo, "soap": optim.SOAP}[name]
@@ -137,10 +138,14 @@ class Replay:
     def step(self, item_grads: dict[str, torch.Tensor]) -> None:
         """One optimizer step with the runtime's averaged gradients (by item name), clipped as it clips."""
         from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
+        from ds_canzona.plan import piece_bounds
 
         grads = whole_grads(item_grads, {n: p.shape for n, p in self.named})
         ordered = [grads[n].clone() for n, _ in self.named]
-        _, coefficient = clip_coefficient(torch.stack([tensor_sq_norm(g) for g in ordered]), self.clip)
+        matrix = {id(p): group["kind"] != "adamw" for group in self.optimizer.param_groups for p in group["params"]}
+        sq_norms = [tensor_sq_norm(g.reshape(-1)[start:stop]) for (_, p), g in zip(self.named, ordered)
+                    for start, stop in piece_bounds(g.numel(), None if matrix[id(p)] else self.split_numel)]
+        _, coefficient = clip_coefficient(torch.stack(sq_norms), self.clip)
         for (_, p), g in zip(self.named, ordered):
             p.grad = g.mul_(coefficient) if coefficient < 1.0 else g
         self.optimizer.step()

@@ -15,6 +15,10 @@ Shampoo and SOAP, gradient accumulation 1 and 3, fp32 and bf16, a model built un
 - the clipping norm is plain torch's ``clip_grad_norm_`` over those mean gradients (each tensor
   counted once), to float64-vs-fp32 rounding;
 - every collective in the optimizer step is the one norm all-reduce (one instrumented engine).
+
+One engine per spawn sets ``canzona.split_numel`` small, so the non-matrix tensors above it
+(the embedding, the AdamW head) are owned in canonical pieces spread over the ranks: the same
+checks hold per piece, and the replay's clipping norm is summed over the same pieces.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from grad_reference import UNDERFLOW, UNIT_ROUNDOFF, Replay, merged_grads, rank_gradients
-from test_zero_stage12 import assert_params_equal
+from grad_reference import UNDERFLOW, UNIT_ROUNDOFF, Replay, merged_grads, rank_gradients, whole_grads
+from test_zero_stage12 import PIECE, assert_params_equal
 from tiny_model import make_model
 from zero3_workers import make_wide_model, train_runs
 from zero_workers import make_config
@@ -55,22 +59,28 @@ CASES = {
         "muon_bf16_ga1": ("muon", 1, "bf16", "tiny", False, False),
         "shampoo_fp32_ga1": ("shampoo", 1, "fp32", "tiny", False, False),
         "soap_bf16_ga3": ("soap", 3, "bf16", "tiny", False, False),
+        "muon_bf16_ga3_pieces": ("muon", 3, "bf16", "tiny", False, False),
     },
     4: {
         "muon_fp32_ga1": ("muon", 1, "fp32", "tiny", False, False),
+        "shampoo_fp32_ga1_pieces": ("shampoo", 1, "fp32", "tiny", False, False),
     },
 }
+# canzona.split_numel of the "_pieces" cases: the tiny model's embedding and AdamW head (61 x 24 =
+# 1464 elements each) become 15 pieces of at most 100, its norms (24 elements) stay whole.
+PIECES_SPLIT_NUMEL = 100
 REFUSED = {
     "offload_param": ({"offload_param": {"device": "cpu"}}, "zero_optimization.offload_param"),
 }
 
 
-def _config(world_size: int, case: tuple, zero: dict | None = None) -> dict:
+def _config(world_size: int, case: tuple, zero: dict | None = None, *, pieces: bool = False) -> dict:
     optimizer, ga, dtype, model, _, _ = case
     top = {"gradient_accumulation_steps": ga, "gradient_clipping": CLIP}
     if dtype == "bf16":
         top["bf16"] = {"enabled": True}
-    config = make_config(world_size, stage=3, optimizer=OPTIMIZERS[optimizer], **top)
+    canzona = {"split_numel": PIECES_SPLIT_NUMEL} if pieces else None
+    config = make_config(world_size, stage=3, optimizer=OPTIMIZERS[optimizer], canzona=canzona, **top)
     if model == "wide":
         config["zero_optimization"]["reduce_bucket_size"] = SMALL_BUCKET
     # DeepSpeed's default memory_efficient_linear swaps torch.nn.functional.linear for its own autograd
@@ -87,8 +97,8 @@ def spawned():
     def get(world_size: int) -> dict[str, list[dict]]:
         if world_size not in cache:
             cases = CASES[world_size]
-            runs = [{"config": _config(world_size, case), "model": case[3], "zero_init": case[4], "log": case[5],
-                     "steps": STEPS} for case in cases.values()]
+            runs = [{"config": _config(world_size, case, pieces=name.endswith("_pieces")), "model": case[3],
+                     "zero_init": case[4], "log": case[5], "steps": STEPS} for name, case in cases.items()]
             names = list(cases)
             if world_size == 2:
                 for name, (zero, _) in REFUSED.items():
@@ -142,21 +152,31 @@ def _outside(grads: dict, want: dict, bound: dict) -> dict[str, int]:
 def _check(name: str, results: list[dict], world_size: int) -> None:
     optimizer, ga, dtype_name, model, _, _ = CASES[world_size][name]
     dtype = DTYPES[dtype_name]
+    split_numel = PIECES_SPLIT_NUMEL if name.endswith("_pieces") else None
     for r in results:
         assert "init_error" not in r, r
         assert r["skipped"] == 0
-    # One plan on every rank; every tensor is owned whole by its owner and empty elsewhere.
+    # One plan on every rank; each item (a tensor or a piece) lives on its owner only: a rank's
+    # shard of a tensor is the items of it that it owns.
     assert len({r["plan_digest"] for r in results}) == 1
-    owners = results[0]["owners"]
+    owners, item_tensor = results[0]["owners"], results[0]["item_tensor"]
+    item_numel = {item: _item_numel(item, results[0]["params"][tensor]) for item, tensor in item_tensor.items()}
+    if split_numel is not None:
+        pieces = [item for item, tensor in item_tensor.items() if item != tensor]
+        assert {item_tensor[p] for p in pieces} == {"embed_tokens.weight", "lm_head.weight"}, pieces
+        assert len({owners[p] for p in pieces}) == world_size  # spread over every rank
     for rank, r in enumerate(results):
-        for tensor, owner in owners.items():
-            full = results[owner]["params"][tensor].numel()
-            assert r["local_shard_numel"][tensor] == (full if owner == rank else 0), (tensor, rank)
+        for tensor in r["local_shard_numel"]:
+            mine = sum(n for item, n in item_numel.items() if item_tensor[item] == tensor and owners[item] == rank)
+            assert r["local_shard_numel"][tensor] == mine, (tensor, rank)
         assert set(r["masters"]) == {t for t, o in owners.items() if o == rank}
 
-    replay = Replay(OPTIMIZERS[optimizer], MODEL_FACTORIES[model], clip=CLIP, param_dtype=dtype)
-    for step, grads in enumerate(merged_grads(results)):
-        assert set(grads) == set(owners)
+    replay = Replay(OPTIMIZERS[optimizer], MODEL_FACTORIES[model], clip=CLIP, param_dtype=dtype,
+                    split_numel=split_numel)
+    shapes = {n: p.shape for n, p in results[0]["params"].items()}
+    for step, items in enumerate(merged_grads(results)):
+        assert set(items) == set(owners)
+        grads = whole_grads(items, shapes)
         model_now = replay.model_in(dtype)
         per_micro = [rank_gradients(model_now, step=step, rank=rank, world_size=world_size, ga=ga, micros=[micro])
                      for rank in range(world_size) for micro in range(ga)]
@@ -183,10 +203,25 @@ def _check(name: str, results: list[dict], world_size: int) -> None:
             t.grad = g.clone()
         own_norm = float(torch.nn.utils.clip_grad_norm_(own, CLIP))
         assert abs(runtime_norm - own_norm) <= 1e-6 * own_norm, (name, step, runtime_norm, own_norm)
-        replay.step(grads)
+        replay.step(items)
     assert_params_equal(results[0]["params"], replay.params())
     masters = {n: m for r in results for n, m in r["masters"].items()}
-    assert_params_equal(masters, {n: p for n, p in replay.params(torch.float32).items() if n in masters})
+    assert_params_equal(masters, _item_values(replay.params(torch.float32), item_tensor, masters))
+
+
+def _item_numel(item: str, tensor: torch.Tensor) -> int:
+    match = PIECE.match(item)
+    return int(match["stop"]) - int(match["start"]) if match else tensor.numel()
+
+
+def _item_values(params: dict, item_tensor: dict, items) -> dict[str, torch.Tensor]:
+    """The values of plan items (whole tensors, or flat pieces "name[start:stop]") from whole tensors."""
+    values = {}
+    for item in items:
+        match = PIECE.match(item)
+        tensor = params[item_tensor[item]]
+        values[item] = tensor.reshape(-1)[int(match["start"]):int(match["stop"])] if match else tensor
+    return values
 
 
 @pytest.mark.parametrize("world_size,name", [(ws, name) for ws, cases in CASES.items() for name in cases])
@@ -211,7 +246,7 @@ def test_zero_init_model_gets_the_same_plan_and_result_and_large_matrices_get_mu
 def test_step_runs_no_collective_but_the_norm_all_reduce(spawned):
     for r in spawned(2)["muon_fp32_ga3_wide"]:
         step_calls = [(kind, n) for phase, kind, n in r["calls"] if phase == "step"]
-        assert step_calls == [("all_reduce", 8 * r["n_params"])] * STEPS, step_calls
+        assert step_calls == [("all_reduce", 8 * r["n_items"])] * STEPS, step_calls
         around = {kind for phase, kind, _ in r["calls"] if phase == "forward_backward"}
         # Parameters are fetched by broadcasts from their owners, gradients reduced to them.
         assert around == {"broadcast", "reduce"}, around
@@ -236,12 +271,14 @@ def checkpoints(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("zero3_ckpt")
     save_dir, export_dir = str(workdir / "ckpt"), str(workdir / "export")
     muon = OPTIMIZERS["muon"]
-    saved = run_ranks(checkpoint_save, 4, make_config(4, stage=3, optimizer=muon), save_dir, export_dir, SAVE_STEPS,
-                      timeout=600)
+    # Saved with the AdamW tensors in pieces of 100 elements; loaded whole at stage 2 and in pieces
+    # of 300 at stage 3: every item is read from the saved items that cover its range.
+    saved = run_ranks(checkpoint_save, 4, make_config(4, stage=3, optimizer=muon, canzona={"split_numel": 100}),
+                      save_dir, export_dir, SAVE_STEPS, timeout=600)
     resumed = {
-        (stage, ws): run_ranks(checkpoint_resume, ws, make_config(ws, stage=stage, optimizer=muon), save_dir,
-                               SAVE_STEPS, RESUME_STEPS, timeout=600)
-        for stage, ws in ((2, 2), (3, 3))
+        (stage, ws): run_ranks(checkpoint_resume, ws, make_config(ws, stage=stage, optimizer=muon, canzona=canzona),
+                               save_dir, SAVE_STEPS, RESUME_STEPS, timeout=600)
+        for stage, ws, canzona in ((2, 2, None), (3, 3, {"split_numel": 300}))
     }
     return saved, resumed, export_dir
 
@@ -249,15 +286,17 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("stage,world_size", [(2, 2), (3, 3)])
 def test_stage3_checkpoint_loads_at_other_stages_and_sizes_and_training_continues_exactly(
         checkpoints, one_thread, stage, world_size):
-    """Saved at stage 3 DP=4; loaded at stage 2 DP=2 and stage 3 DP=3. The loaded masters and optimizer
-    state equal the saved ones and the consolidated export (torch.equal), and the next steps equal the
-    single-process optimizer started from the consolidated export and fed the owners' gradients."""
+    """Saved at stage 3 DP=4 (AdamW tensors in pieces); loaded at stage 2 DP=2 (whole) and stage 3 DP=3
+    (other pieces). The loaded masters and optimizer state equal the saved ones and the consolidated
+    export (torch.equal), and the next steps equal the single-process optimizer started from the
+    consolidated export and fed the owners' gradients."""
     from ds_canzona.consolidate import load_consolidated_model, load_consolidated_optimizer
 
     saved, resumed, export_dir = checkpoints
     results = resumed[(stage, world_size)]
-    saved_owned = {n: s for r in saved for n, s in r["owned"].items()}
-    loaded_owned = {n: s for r in results for n, s in r["owned"].items()}
+    saved_owned = _joined_pieces({n: s for r in saved for n, s in r["owned"].items()})
+    loaded_owned = _joined_pieces({n: s for r in results for n, s in r["owned"].items()})
+    assert any(PIECE.match(n) for r in saved for n in r["owned"])
     assert set(loaded_owned) == set(saved_owned)
     for name, state in saved_owned.items():
         assert set(loaded_owned[name]) == set(state), name
@@ -268,7 +307,7 @@ def test_stage3_checkpoint_loads_at_other_stages_and_sizes_and_training_continue
     assert results[0]["global_steps"] == SAVE_STEPS
 
     # The single-process optimizer from the consolidated export, fed the resumed run's gradients.
-    replay = Replay(OPTIMIZERS["muon"], make_model, clip=1.0)
+    replay = Replay(OPTIMIZERS["muon"], make_model, clip=1.0, split_numel=300 if stage == 3 else None)
     exported = load_consolidated_model(export_dir)
     with torch.no_grad():
         for name, param in replay.model.named_parameters():
@@ -278,6 +317,30 @@ def test_stage3_checkpoint_loads_at_other_stages_and_sizes_and_training_continue
     for grads in merged_grads(results):
         replay.step(grads)
     assert_params_equal(results[0]["final"], replay.params())
+
+
+def _joined_pieces(owned: dict[str, dict]) -> dict[str, dict]:
+    """Per-item states (master and optimizer state) joined per tensor: pieces' tensors concatenated
+    in element order; every state tensor of an item's size is compared flat (a piece is flat, the
+    same tensor owned whole has its shape); other entries must agree across pieces."""
+    parts: dict[str, list[tuple[int, dict]]] = {}
+    for item, state in owned.items():
+        match = PIECE.match(item)
+        parts.setdefault(match["tensor"] if match else item, []).append((int(match["start"]) if match else 0, state))
+    joined = {}
+    for tensor, pieces in parts.items():
+        pieces.sort(key=lambda part: part[0])
+        first = pieces[0][1]
+        state = {}
+        for key, value in first.items():
+            if torch.is_tensor(value) and value.numel() == first["master"].numel():
+                state[key] = torch.cat([s[key].reshape(-1) for _, s in pieces])
+            else:
+                assert all(torch.equal(s[key], value) if torch.is_tensor(value) else s[key] == value
+                           for _, s in pieces), (tensor, key)
+                state[key] = value
+        joined[tensor] = state
+    return joined
 
 
 @pytest.mark.parametrize("version", ["0.18.9", "0.20.0", "1.19.0"])

@@ -87,7 +87,10 @@ def _train_run(rank: int, world_size: int, run: dict) -> dict:
         "grads": grads,
         "norms": norms,
         "masters": {t.name: t.master.detach().clone() for t in zero.owned_tensors()},
-        "owners": dict(zip(zero.names, zero.plan.owner)),
+        # Per plan item (a tensor, or "name[start:stop]" for a piece): its owner and its tensor's name.
+        "owners": {spec.name: owner for spec, owner in zip(zero.plan.specs, zero.plan.owner)},
+        "item_tensor": {spec.name: zero.names[tensor] for spec, (tensor, _, _) in zip(zero.plan.specs, zero.plan.pieces)},
+        "n_items": len(zero.plan.specs),
         "plan_digest": zero.plan.digest(),
         "kinds": {name: group["kind"] for name, group in zip(zero.names, zero.groups)},
         "skipped": engine.skipped_steps,
@@ -264,7 +267,10 @@ def _feature_run(rank: int, world_size: int, run: dict) -> dict:
         "reduce_bytes": int(zero.comm.bytes["reduce"]),
         "lrs": lrs,
         "masters": {t.name: t.master.detach().clone() for t in zero.owned_tensors()},
-        "owners": dict(zip(zero.names, zero.plan.owner)),
+        # Per plan item (a tensor, or "name[start:stop]" for a piece): its owner and its tensor's name.
+        "owners": {spec.name: owner for spec, owner in zip(zero.plan.specs, zero.plan.owner)},
+        "item_tensor": {spec.name: zero.names[tensor] for spec, (tensor, _, _) in zip(zero.plan.specs, zero.plan.pieces)},
+        "n_items": len(zero.plan.specs),
         "kinds": {n: g["kind"] for n, g in zip(zero.names, zero.groups)},
         "group_settings": [{k: v for k, v in g.items() if k in ("lr", "weight_decay", "kind")}
                            for g in zero.param_groups],

@@ -58,6 +58,7 @@ __all__ = [
     "alpha_balanced",
     "lpt_loads",
     "min_max_segment",
+    "expand_pieces",
     "piece_bounds",
     "plan_buckets",
     "plan_dp_partitions",
@@ -309,17 +310,16 @@ def _priced(model: object, price: Callable[[ParamSpec], float], specs: Sequence[
     return values
 
 
-def _expand_pieces(
-    specs: Sequence[ParamSpec], ranges: Sequence[tuple[int, int]], split_numel: int | None
-) -> tuple[tuple[ParamSpec, ...], tuple[tuple[int, int, int], ...], list[tuple[int, int]]]:
-    """Items (piece specs), their ``(tensor, start, stop)``, and the bucket ranges over items."""
-    if split_numel is None:
-        return tuple(specs), tuple((index, 0, spec.numel) for index, spec in enumerate(specs)), list(ranges)
+def expand_pieces(specs: Sequence[ParamSpec],
+                  split_numel: int | None) -> tuple[tuple[ParamSpec, ...], tuple[tuple[int, int, int], ...]]:
+    """The plan items of ``specs`` (a piece spec for each canonical piece) and their ``(tensor, start, stop)``.
+
+    A non-matrix tensor above ``split_numel`` elements becomes its ``piece_bounds``; every other
+    tensor is one item. Shared by the ZeRO-1/2 and the ZeRO-3 planners, so both own the same items.
+    """
     items: list[ParamSpec] = []
     pieces: list[tuple[int, int, int]] = []
-    first_item: list[int] = []
     for index, spec in enumerate(specs):
-        first_item.append(len(items))
         bounds = piece_bounds(spec.numel, None if spec.matrix else split_numel)
         if len(bounds) == 1:
             items.append(spec)
@@ -327,8 +327,22 @@ def _expand_pieces(
             items.extend(ParamSpec(name=f"{spec.name}[{start}:{stop}]", shape=(stop - start,), matrix=False)
                          for start, stop in bounds)
         pieces.extend((index, start, stop) for start, stop in bounds)
-    first_item.append(len(items))
-    return tuple(items), tuple(pieces), [(first_item[first], first_item[stop]) for first, stop in ranges]
+    return tuple(items), tuple(pieces)
+
+
+def _expand_pieces(
+    specs: Sequence[ParamSpec], ranges: Sequence[tuple[int, int]], split_numel: int | None
+) -> tuple[tuple[ParamSpec, ...], tuple[tuple[int, int, int], ...], list[tuple[int, int]]]:
+    """Items (piece specs), their ``(tensor, start, stop)``, and the bucket ranges over items."""
+    if split_numel is None:
+        return tuple(specs), tuple((index, 0, spec.numel) for index, spec in enumerate(specs)), list(ranges)
+    items, pieces = expand_pieces(specs, split_numel)
+    first_item = [0] * (len(specs) + 1)
+    for item, (tensor, start, _) in enumerate(pieces):
+        if start == 0:
+            first_item[tensor] = item
+    first_item[len(specs)] = len(items)
+    return items, pieces, [(first_item[first], first_item[stop]) for first, stop in ranges]
 
 
 def plan_buckets(specs: Sequence[ParamSpec], bucket_numel: int, *,

@@ -13,6 +13,11 @@ ties on the lower rank). Non-matrix tensors stay on AdamW, whose cost is small: 
 (embeddings and the head, under the default rule) are placed early for their memory, so a rank
 holding one takes fewer matrices instead of doubling its memory; the small ones (norms, biases)
 come last and fill whatever rank has room: these are the "tail owners".
+
+Pieces. With ``split_numel``, a non-matrix tensor above that size is planned as its canonical
+pieces (``piece_bounds``, the same items as the ZeRO-1/2 plan and the single-process clipping
+norm), each owned by one rank: AdamW is elementwise, so a 256k-vocabulary embedding spreads
+over many ranks instead of sitting whole on one.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .cost import CostModel, cost_model
+from .dp import expand_pieces
 from .specs import ParamSpec, PlanError
 
 __all__ = ["Zero3Plan", "plan_zero3_owners"]
@@ -36,7 +42,11 @@ _CANDIDATES = 8
 
 @dataclass(frozen=True, kw_only=True)
 class Zero3Plan:
-    """The owner rank of every param (buffer order), the same on every rank."""
+    """The owner rank of every item (a tensor, or a canonical piece of one), the same on every rank.
+
+    ``specs``, ``costs`` and ``owner`` are per item, in parameter order; ``pieces[i]`` is item i's
+    ``(tensor index, first element, stop element)`` in the planner's input ``specs``.
+    """
 
     world_size: int
     cost_model: str
@@ -44,6 +54,17 @@ class Zero3Plan:
     specs: tuple[ParamSpec, ...]
     costs: tuple[float, ...]
     owner: tuple[int, ...]
+    pieces: tuple[tuple[int, int, int], ...]
+    split_numel: int | None = None
+
+    def tensor_items(self) -> list[list[int]]:
+        """For each input tensor, its items (one, or its pieces in element order)."""
+        items: list[list[int]] = []
+        for item, (tensor, _, _) in enumerate(self.pieces):
+            if tensor == len(items):
+                items.append([])
+            items[tensor].append(item)
+        return items
 
     def rank_costs(self) -> list[float]:
         loads = [0.0] * self.world_size
@@ -78,6 +99,7 @@ class Zero3Plan:
             "world_size": self.world_size,
             "cost_model": self.cost_model,
             "cost_label": self.cost_label,
+            "split_numel": self.split_numel,
             "params": [{**spec.to_dict(), "owner": rank} for spec, rank in zip(self.specs, self.owner)],
             "ranks": [
                 {"cost": c, "numel": n, "tensors": self.owner.count(r)} for r, (c, n) in enumerate(zip(costs, numels))
@@ -96,17 +118,27 @@ class Zero3Plan:
             "params": [[s.name, list(s.shape), s.matrix, s.tp_dim, s.tp_size] for s in self.specs],
             "owner": list(self.owner),
         }
+        if self.split_numel is not None:  # absent otherwise, so unsplit digests stay as they were
+            content["split_numel"] = self.split_numel
+            content["pieces"] = [list(piece) for piece in self.pieces]
         canonical = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(canonical.encode("ascii")).hexdigest()
 
 
-def plan_zero3_owners(specs: Sequence[ParamSpec], *, world_size: int, cost: CostModel | None = None) -> Zero3Plan:
-    """One owner per param: matrices balanced on cost, the rest packed to even out memory."""
-    specs = tuple(specs)
-    if not specs:
+def plan_zero3_owners(specs: Sequence[ParamSpec], *, world_size: int, cost: CostModel | None = None,
+                      split_numel: int | None = None) -> Zero3Plan:
+    """One owner per item: matrices balanced on cost, the rest packed to even out memory.
+
+    ``split_numel`` (default: none) plans non-matrix tensors above that size as canonical pieces.
+    """
+    if not tuple(specs):
         raise PlanError("Cannot plan an empty list of params.")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise PlanError(f"Invalid world_size={world_size!r}: must be a positive integer.")
+    if split_numel is not None and (isinstance(split_numel, bool) or not isinstance(split_numel, int)
+                                    or split_numel < 1):
+        raise PlanError(f"Invalid split_numel={split_numel!r}: must be a positive integer or None.")
+    specs, pieces = expand_pieces(tuple(specs), split_numel)
     model = cost if cost is not None else cost_model("roofline", "muon")
     costs = tuple(float(model.cost(spec)) for spec in specs)
     total_cost = sum(costs) or 1.0
@@ -145,4 +177,6 @@ def plan_zero3_owners(specs: Sequence[ParamSpec], *, world_size: int, cost: Cost
         specs=specs,
         costs=costs,
         owner=tuple(owner),
+        pieces=pieces,
+        split_numel=split_numel,
     )

@@ -1,5 +1,10 @@
 """Owner placement of ZeRO-3 parameters (MatrixFSDP): each tensor's shard is the whole tensor on one rank.
 
+A non-matrix tensor planned in canonical pieces (``canzona.split_numel``) is placed piece by
+piece: each piece lives whole on its own owner, and a rank's shard of the tensor is the
+concatenation of the pieces it owns (often none). Everything below holds per piece; a whole
+tensor is the one-piece case.
+
 DeepSpeed's ZeRO-3 (``deepspeed.zero.Init``, ``DeepSpeedZeRoOffload`` and its parameter
 coordinator) keeps, per parameter, a partition ``param.ds_tensor`` (an equal, padded slice per
 rank), frees ``param.data`` between uses, and fetches it before a module runs by calling the
@@ -9,13 +14,13 @@ sets on every parameter, so the layout can be changed per parameter without touc
 - ``all_gather_coalesced(params, safe_mode=False, quantize=False)`` (the coordinator's fetch and
   prefetch) and ``all_gather(param_list=None, async_op=False, hierarchy=0)`` (``GatheredParameters``,
   ``param.item()``): replaced on every ZeRO-3 parameter of the module by a router that fetches
-  owner-placed parameters by one broadcast each from their owner, straight into the full
-  buffer (the owner's buffer *is* its shard, no copy), and hands the rest to DeepSpeed's
-  original closure of the same parameter;
+  owner-placed parameters by one broadcast per piece from its owner, straight into the full
+  buffer (the owner of a whole tensor uses its shard as the buffer, no copy), and hands the rest
+  to DeepSpeed's original closure of the same parameter;
 - ``partition(param_list=None, hierarchy=0, has_been_updated=False, free_data=True)`` (the
   coordinator's release, ``GatheredParameters`` on exit): an owner-placed parameter frees its
   full buffer on the other ranks; with ``has_been_updated`` (weights written inside
-  ``GatheredParameters(modifier_rank=...)``, e.g. a checkpoint load) the owner keeps the new values;
+  ``GatheredParameters(modifier_rank=...)``, e.g. a checkpoint load) the owners keep the new values;
 - ``partition_numel``, ``padding_size``, ``aligned_size``: the sizes of the owner layout (no
   padding; ``partition_numel`` is the whole tensor's, on every rank: DeepSpeed 0.19.8's coordinator
   reads it only to decide whether a module has anything to fetch and to count what it waited for).
@@ -26,7 +31,8 @@ DeepSpeed 0.19.0-0.19.8 (``partition_parameters.py``) and the runtime run on eac
 (``scripts/compat.sh``); stage 3 is refused on any other version.
 
 A parameter is converted once, at engine start: DeepSpeed's own fetch gathers its even layout,
-the owner keeps the whole tensor as its new ``ds_tensor`` and every other rank an empty one.
+each rank keeps the pieces it owns as its new ``ds_tensor`` (the whole tensor on the owner of an
+unsplit one, empty on the other ranks).
 Owner-placed parameters are never persistent (``ds_persist`` false): a persistent copy on every
 rank would need a broadcast after each step, which this layout removes from the step.
 """
@@ -43,8 +49,11 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, free_pa
 from ds_canzona.zero.comm import CommCounter
 from ds_canzona.zero.hook import SUPPORTED_DEEPSPEED_VERSIONS
 
-# On an owner-placed parameter: its owner's rank in the data-parallel group.
-OWNER_ATTR = "ds_canzona_owner"
+# On an owner-placed parameter: its pieces ((start, stop, owner rank in the data-parallel group), ...)
+# in element order; a tensor owned whole is one piece.
+PIECES_ATTR = "ds_canzona_pieces"
+# On an owner-placed parameter: the pieces this rank owns, ((start, stop, offset in ds_tensor), ...).
+LOCAL_PIECES_ATTR = "ds_canzona_local_pieces"
 # DeepSpeed's original closures, kept on each parameter the router was installed on.
 _ORIGINAL_ATTR = "ds_canzona_even_layout"
 # The closures DeepSpeed 0.19.x sets in Init._convert_to_deepspeed_param that this module replaces.
@@ -74,7 +83,13 @@ def check_stage3_version(version: str) -> None:
 
 
 def is_owner_placed(param) -> bool:
-    return hasattr(param, OWNER_ATTR)
+    return hasattr(param, PIECES_ATTR)
+
+
+def _whole_here(param, rank: int) -> bool:
+    """Whether ``rank`` owns the parameter whole (its shard then serves as the full buffer)."""
+    pieces = getattr(param, PIECES_ATTR)
+    return len(pieces) == 1 and pieces[0][2] == rank
 
 
 class OwnerFetchHandle:
@@ -118,16 +133,24 @@ class OwnerLayout:
 
     # ------------------------------------------------------------------ conversion
     @torch.no_grad()
-    def place(self, params: Sequence, owners: Sequence[int]) -> None:
-        """Move ZeRO-3 parameters from DeepSpeed's even layout to their owners (collective, at start-up)."""
-        for param, owner in zip(params, owners):
+    def place(self, params: Sequence, pieces: Sequence[Sequence[tuple[int, int, int]]]) -> None:
+        """Move ZeRO-3 parameters from DeepSpeed's even layout to their owners (collective, at start-up).
+
+        ``pieces[i]`` is parameter i's ``((start, stop, owner), ...)`` over its flattened elements.
+        """
+        for param, layout_pieces in zip(params, pieces):
             if param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
                 param.all_gather()  # DeepSpeed's even-layout fetch, once
             full = param.data.reshape(-1)
-            if owner == self.rank:
-                shard = full.detach().clone()
+            mine = [(start, stop) for start, stop, owner in layout_pieces if owner == self.rank]
+            if mine:
+                shard = torch.cat([full[start:stop] for start, stop in mine]).detach().clone()
             else:
                 shard = torch.empty(0, dtype=full.dtype, device=full.device)
+            local, offset = [], 0
+            for start, stop in mine:
+                local.append((start, stop, offset))
+                offset += stop - start
             shard.requires_grad = False
             previous = param.ds_tensor
             shard.ds_numel = shard.numel()
@@ -135,7 +158,8 @@ class OwnerLayout:
             shard.final_location = None
             param.ds_tensor = shard
             param.ds_numel_aligned = param.ds_numel
-            setattr(param, OWNER_ATTR, int(owner))
+            setattr(param, PIECES_ATTR, tuple((int(a), int(b), int(o)) for a, b, o in layout_pieces))
+            setattr(param, LOCAL_PIECES_ATTR, tuple(local))
             param.ds_persist = False
             param.ds_active_sub_modules.clear()
             free_param(param)
@@ -204,22 +228,27 @@ class OwnerLayout:
 
     # ------------------------------------------------------------------ fetch and release
     def fetch(self, params: list) -> OwnerFetchHandle:
-        """Start one broadcast per parameter from its owner into its full buffer (asynchronous)."""
+        """Start one broadcast per piece from its owner into the full buffer (asynchronous)."""
         params = sorted(params, key=lambda p: p.ds_id)  # the same order on every rank
         works = []
         for param in params:
             if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
                 raise RuntimeError(f"ds_canzona: fetching a ZeRO-3 parameter that is not released: {param.ds_summary()}")
             param.ds_status = ZeroParamStatus.INFLIGHT
-            owner = getattr(param, OWNER_ATTR)
-            if owner == self.rank:
-                buffer = param.ds_tensor
+            shard = param.ds_tensor
+            if _whole_here(param, self.rank):
+                buffer = shard
             else:
-                buffer = torch.empty(param.ds_numel, dtype=param.ds_tensor.dtype, device=param.ds_tensor.device)
+                buffer = torch.empty(param.ds_numel, dtype=shard.dtype, device=shard.device)
+                for start, stop, offset in getattr(param, LOCAL_PIECES_ATTR):
+                    buffer[start:stop].copy_(shard[offset:offset + stop - start])
             param.data = buffer.view(param.ds_shape)
-            if self.world_size > 1:
-                self.counter.add("broadcast", buffer.numel() * buffer.element_size())
-                works.append(dist.broadcast(buffer, src=dist.get_global_rank(self.group, owner), group=self.group,
+            if self.world_size == 1:
+                continue
+            for start, stop, owner in getattr(param, PIECES_ATTR):
+                piece = buffer[start:stop]
+                self.counter.add("broadcast", piece.numel() * piece.element_size())
+                works.append(dist.broadcast(piece, src=dist.get_global_rank(self.group, owner), group=self.group,
                                             async_op=True))
         return OwnerFetchHandle(params, works)
 
@@ -228,13 +257,15 @@ class OwnerLayout:
         if param.ds_status == ZeroParamStatus.INFLIGHT:
             raise RuntimeError(f"ds_canzona: releasing a ZeRO-3 parameter in flight: {param.ds_summary()}")
         if param.ds_status == ZeroParamStatus.AVAILABLE:
-            if has_been_updated and getattr(param, OWNER_ATTR) == self.rank:
-                full = param.data.reshape(-1)
-                if full.data_ptr() != param.ds_tensor.data_ptr():
-                    param.ds_tensor.copy_(full)
+            full = param.data.reshape(-1)
+            if has_been_updated and full.data_ptr() != param.ds_tensor.data_ptr():
+                # Weights written while gathered (GatheredParameters with a modifier rank, which
+                # broadcast them first): each owner keeps its pieces of the new values.
+                for start, stop, offset in getattr(param, LOCAL_PIECES_ATTR):
+                    param.ds_tensor[offset:offset + stop - start].copy_(full[start:stop])
             if free_data:
                 free_param(param)
         param.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
 
-__all__ = ["OWNER_ATTR", "STAGE3_DEEPSPEED_VERSIONS", "check_stage3_version", "PATCHED_PARAM_CLOSURES", "OwnerFetchHandle", "OwnerLayout", "is_owner_placed"]
+__all__ = ["LOCAL_PIECES_ATTR", "PIECES_ATTR", "STAGE3_DEEPSPEED_VERSIONS", "check_stage3_version", "PATCHED_PARAM_CLOSURES", "OwnerFetchHandle", "OwnerLayout", "is_owner_placed"]

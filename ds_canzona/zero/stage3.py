@@ -1,10 +1,11 @@
 """ZeRO stage 3 with owner placement (MatrixFSDP): each tensor lives whole on one rank.
 
 Every trainable tensor has one owner (``ds_canzona.plan.plan_zero3_owners``: balanced on the
-optimizer step's cost and on memory). The owner's ZeRO-3 shard is the whole tensor, every other
+optimizer step's cost and on memory); a non-matrix tensor above ``canzona.split_numel`` elements
+has one per canonical piece instead (see the end of this docstring). The owner's ZeRO-3 shard is the whole tensor, every other
 rank's is empty (``ds_canzona.zero.owner_placement``); DeepSpeed's parameter coordinator still
 fetches, prefetches and releases parameters around each module, now by a broadcast from the
-owner. In backward each gradient is summed onto its owner only (one ``reduce`` per tensor), so
+owner. In backward each gradient is summed onto its owner only (one ``reduce`` per item), so
 the owner holds the whole averaged gradient and the optimizer step is local: the per-tensor rule
 of ``ds_canzona.optim`` runs on whole tensors and the next forward's fetch carries the result.
 
@@ -21,18 +22,24 @@ single-process training on the whole batch.
 Data flow per optimizer step:
 
     forward/backward: DeepSpeed's coordinator fetches each module's parameters before it runs
-               (one broadcast per tensor from its owner) and releases them after
+               (one broadcast per item from its owner) and releases them after
     backward:  a post-accumulate-grad hook takes each gradient; tensors are reduced to their
-               owner in one fixed order on every rank (last tensor first, as backward produces
-               them), a few reduces in flight; whatever has not arrived when backward ends is
-               reduced then (a tensor without a gradient counts as zero)
+               owners (each piece to its own) in one fixed order on every rank (last tensor
+               first, as backward produces them), a few reduces in flight; whatever has not
+               arrived when backward ends is reduced then (a tensor without a gradient counts
+               as zero)
     step:      the owner's accumulated gradients -> fp32, divided; one all-reduce of per-tensor
                squared norms (overflow + clipping); each rank updates what it owns; the result
                is written into its shard. No other collective.
 
-Non-matrix tensors are owned whole like matrices (the planner places them last, where memory is
-left): one layout, one fetch path and one gradient path for everything, and the clipping norm
-counts each tensor once by construction. Frozen parameters stay on DeepSpeed's even layout.
+Non-matrix tensors use the same owner layout: whole up to ``canzona.split_numel`` elements,
+above it in the canonical pieces of ``ds_canzona.plan.piece_bounds``, each piece owned like a
+tensor. That was chosen over DeepSpeed's even layout by measurement and by contract
+(docs/NOTES.md, "ZeRO-3: non-matrix tensors in pieces"): the busiest rank's elements come within
+a few percent of the even layout's (whole ownership: 2-33x the average with a large vocabulary),
+while the items stay those of the ZeRO-1/2 plan and the single-process clipping norm, so the
+step stays bit-exact at every world size and a checkpoint's items are the same at every stage.
+Frozen parameters stay on DeepSpeed's even layout.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ from ds_canzona.optim.base import logical_shape
 from ds_canzona.plan import ParamSpec, Zero3Plan, plan_zero3_owners
 from ds_canzona.zero.comm import check_digest_agreement
 from ds_canzona.zero.owned import GradientAfterReductionError, OwnedTensor
-from ds_canzona.zero.owner_placement import OwnerLayout
+from ds_canzona.zero.owner_placement import LOCAL_PIECES_ATTR, OwnerLayout
 from ds_canzona.zero.owner_runtime import OwnerRuntime
 
 # Reduces launched and not yet waited on during backward; each holds one tensor's gradient.
@@ -90,14 +97,16 @@ class CanzonaZero3Optimizer(OwnerRuntime):
         self.parameter_offload = DeepSpeedZeRoOffload(module, dp_process_group=dp_process_group, **offload_kwargs)
         self.layout = OwnerLayout(group=dp_process_group, counter=self.comm)
         self.layout.install(module.parameters())
-        self.layout.place(self.params, self.plan.owner)
+        self._tensor_items = self.plan.tensor_items()
+        self.layout.place(self.params, [[(start, stop, self.plan.owner[item])
+                                         for item in items for _, start, stop in [self.plan.pieces[item]]]
+                                        for items in self._tensor_items])
         placed = set(map(id, self.params))
         self.parameter_offload.persistent_parameters[:] = [
             p for p in self.parameter_offload.persistent_parameters if id(p) not in placed]
 
         self._owned = self._build_owned_state()
-        self._owner_of = list(self.plan.owner)
-        self._accumulated: list[torch.Tensor | None] = [None] * len(self.params)  # on the owner
+        self._accumulated: list[torch.Tensor | None] = [None] * len(self.plan.specs)  # per item, on its owner
         self._local: list[torch.Tensor | None] = [None] * len(self.params)  # this backward, not yet sent
         self._arrivals = [0] * len(self.params)
         self.early_launch = True
@@ -110,7 +119,8 @@ class CanzonaZero3Optimizer(OwnerRuntime):
         specs = [ParamSpec(name=name, shape=shape, matrix=group["kind"] != "adamw",
                            heads=rule_for_group(group).plan_heads())
                  for name, shape, group in zip(self.names, self.logical_shapes, self.groups)]
-        return plan_zero3_owners(specs, world_size=self.world_size, cost=self._plan_cost_model())
+        return plan_zero3_owners(specs, world_size=self.world_size, cost=self._plan_cost_model(),
+                                 split_numel=self.config.split_numel)
 
     def plan_summary(self) -> str:
         plan = self.plan
@@ -123,19 +133,24 @@ class CanzonaZero3Optimizer(OwnerRuntime):
 
     def _build_owned_state(self) -> list[OwnedTensor]:
         owned = []
-        for i in self.plan.owned_params(self.rank):
-            shard = self.params[i].ds_tensor.view(self.logical_shapes[i])
+        for item in self.plan.owned_params(self.rank):
+            shard = self.item_shard(item)
             # fp32 models update the shard in place; lower precision keeps an fp32 master.
             master = shard if shard.dtype == torch.float32 else shard.detach().float().clone()
-            group = self.groups[i]
-            owned.append(OwnedTensor(index=i, name=self.names[i], master=master,
-                                     state=rule_for_group(group).init_state(master), group=group, tensor=i))
+            tensor = self.plan.pieces[item][0]
+            group = self.groups[tensor]
+            owned.append(OwnedTensor(index=item, name=self.plan.specs[item].name, master=master,
+                                     state=rule_for_group(group).init_state(master), group=group, tensor=tensor))
         return owned
 
-    def shard_view(self, i: int) -> torch.Tensor:
-        """Tensor i's low-precision shard on its owner, shaped like the tensor (empty elsewhere)."""
-        shard = self.params[i].ds_tensor
-        return shard.view(self.logical_shapes[i]) if shard.numel() else shard
+    def item_shard(self, item: int) -> torch.Tensor:
+        """Item ``item``'s low-precision values in its owner's shard, shaped like the item (owner only)."""
+        tensor, start, stop = self.plan.pieces[item]
+        param = self.params[tensor]
+        for first, last, offset in getattr(param, LOCAL_PIECES_ATTR):
+            if (first, last) == (start, stop):
+                return param.ds_tensor[offset:offset + stop - start].view(self.plan.specs[item].shape)
+        raise KeyError(f"ds_canzona: rank {self.rank} does not own {self.plan.specs[item].name!r}")
 
     # ------------------------------------------------------------------ backward
     def _make_grad_hook(self, i: int):
@@ -170,6 +185,7 @@ class CanzonaZero3Optimizer(OwnerRuntime):
             self._next -= 1
 
     def _launch(self, i: int) -> None:
+        """Reduce tensor i's gradient of this backward to its owner: one reduce per item."""
         reduction = self.reduction
         grad = self._local[i]
         self._local[i] = None
@@ -178,23 +194,27 @@ class CanzonaZero3Optimizer(OwnerRuntime):
         send = grad.to(reduction.communicate_dtype)
         if reduction.pre_divide != 1.0:
             send = send / reduction.pre_divide if send is grad else send.div_(reduction.pre_divide)
-        owner = self._owner_of[i]
-        self.comm.add("reduce", send.numel() * send.element_size())
-        work = dist.reduce(send, dst=dist.get_global_rank(self.dp_process_group, owner), group=self.dp_process_group,
-                           async_op=True)
-        self._inflight.append((i, work, send))
+        flat = send.reshape(-1)
+        for item in self._tensor_items[i]:
+            _, start, stop = self.plan.pieces[item]
+            piece = flat[start:stop]
+            owner = self.plan.owner[item]
+            self.comm.add("reduce", piece.numel() * piece.element_size())
+            work = dist.reduce(piece, dst=dist.get_global_rank(self.dp_process_group, owner),
+                               group=self.dp_process_group, async_op=True)
+            self._inflight.append((item, work, piece))
         while len(self._inflight) > REDUCES_IN_FLIGHT:
             self._complete_oldest()
 
     def _complete_oldest(self) -> None:
-        i, work, send = self._inflight.pop(0)
+        item, work, send = self._inflight.pop(0)
         work.wait()
-        if self._owner_of[i] != self.rank:
+        if self.plan.owner[item] != self.rank:
             return
-        if self._accumulated[i] is None:
-            self._accumulated[i] = send.to(self.reduction.accumulate_dtype, copy=True)
+        if self._accumulated[item] is None:
+            self._accumulated[item] = send.to(self.reduction.accumulate_dtype, copy=True)
         else:
-            self._accumulated[i].add_(send)
+            self._accumulated[item].add_(send)
 
     def _wait_reductions(self) -> None:
         while self._inflight:
@@ -225,13 +245,14 @@ class CanzonaZero3Optimizer(OwnerRuntime):
         self._wait_reductions()
         return {t.name: self._averaged_grad(t.index) for t in self._owned}
 
-    def _averaged_grad(self, i: int, *, consume: bool = False) -> torch.Tensor:
-        """Tensor i's averaged fp32 gradient; ``consume``: an fp32 accumulator is divided in place
+    def _averaged_grad(self, item: int, *, consume: bool = False) -> torch.Tensor:
+        """Item ``item``'s averaged fp32 gradient; ``consume``: an fp32 accumulator is divided in place
         (the step's case: it is dropped afterwards, so no second copy of every gradient is made)."""
-        accumulated = self._accumulated[i]
+        shape = self.plan.specs[item].shape
+        accumulated = self._accumulated[item]
         if accumulated is None:
-            return torch.zeros(self.logical_shapes[i], dtype=torch.float32, device=self.device)
-        return self._unscaled(accumulated.to(torch.float32, copy=not consume).view(self.logical_shapes[i]))
+            return torch.zeros(shape, dtype=torch.float32, device=self.device)
+        return self._unscaled(accumulated.to(torch.float32, copy=not consume).view(shape))
 
     def _step_gradients(self) -> tuple[list[int], list[torch.Tensor]]:
         self._wait_reductions()
@@ -250,12 +271,12 @@ class CanzonaZero3Optimizer(OwnerRuntime):
     @torch.no_grad()
     def write_masters_to_shards(self) -> None:
         for t in self._owned:
-            shard = self.shard_view(t.index)
-            if t.master is not shard:
+            shard = self.item_shard(t.index)
+            if t.master.data_ptr() != shard.data_ptr():  # fp32: the master is the shard itself
                 shard.copy_(t.master)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._accumulated = [None] * len(self.params)
+        self._accumulated = [None] * len(self.plan.specs)
         for p in self.params:
             p.grad = None
 

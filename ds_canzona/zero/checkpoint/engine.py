@@ -146,15 +146,14 @@ def _build_meta(engine, zero, tag: str, client_state: dict | None, exclude_froze
 def _plan_record(plan, stage: int) -> dict[str, Any]:
     """What the manifest says about the layout it was saved under (informative; any layout loads it)."""
     if stage == 3:
-        return {"layout": "owner", "cost_model": plan.cost_model, "digest": plan.digest()}
+        return {"layout": "owner", "cost_model": plan.cost_model, "split_numel": plan.split_numel,
+                "digest": plan.digest()}
     return {"strategy": plan.strategy, "alpha": plan.alpha, "bucket_numel": plan.bucket_numel,
             "cost_model": plan.cost_model, "digest": plan.digest()}
 
 
 def _item_tensor_range(zero, item: int) -> tuple[int, int, int]:
-    """(tensor index, start, stop) of plan item ``item``; at stage 3 every item is a whole tensor."""
-    if zero.stage == 3:
-        return item, 0, zero.plan.specs[item].numel
+    """(tensor index, start, stop) of plan item ``item`` (a whole tensor or a canonical piece, at every stage)."""
     return zero.plan.pieces[item]
 
 
