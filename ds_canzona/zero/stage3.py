@@ -125,10 +125,12 @@ class CanzonaZero3Optimizer(OwnerRuntime):
     def plan_summary(self) -> str:
         plan = self.plan
         costs, numels = plan.rank_costs(), plan.rank_numels()
-        lines = [f"ds_canzona ZeRO-3 owner plan: {len(plan.specs)} tensors, DP={plan.world_size}, cost={plan.cost_label}, "
-                 f"cost max/avg={plan.flops_ratio:.3f}, elements max/avg={plan.memory_ratio:.3f}"]
+        split = len(plan.specs) - len(self.params)
+        pieces = f" ({split + sum(len(i) > 1 for i in plan.tensor_items())} of them pieces)" if split else ""
+        lines = [f"ds_canzona ZeRO-3 owner plan: {len(plan.specs)} items{pieces}, DP={plan.world_size}, "
+                 f"cost={plan.cost_label}, cost max/avg={plan.flops_ratio:.3f}, elements max/avg={plan.memory_ratio:.3f}"]
         for r in range(plan.world_size):
-            lines.append(f"  rank {r}: cost {costs[r]:.3e}, {numels[r]} elements, {len(plan.owned_params(r))} tensors")
+            lines.append(f"  rank {r}: cost {costs[r]:.3e}, {numels[r]} elements, {len(plan.owned_params(r))} items")
         return "\n".join(lines)
 
     def _build_owned_state(self) -> list[OwnedTensor]:
