@@ -169,14 +169,16 @@ PERSISTENCE_THRESHOLD = 100
 
 
 def make_lora_model(seed: int = 0) -> TinyLM:
-    """TinyLM as a LoRA fine-tune: every base parameter frozen, trainable rank-2 adapters on each
-    q and v projection, and ``frozen_scale``, a frozen parameter of 7 elements (unused by forward).
+    """TinyLM as a LoRA fine-tune: every base parameter frozen, the output head tied to the
+    embedding (one frozen parameter under two names), trainable rank-2 adapters on each q and v
+    projection, and ``frozen_scale``, a frozen parameter of 7 elements (unused by forward).
 
     ``seed`` sets every value, frozen ones included (the norms' weights too, which would all be
     ones otherwise). Width 20 and the 7 elements make DeepSpeed pad the last partition of several
     frozen tensors at DP=2 (``frozen_scale``) and DP=3.
     """
     model = make_model(seed, dim=20)
+    model.lm_head.weight = model.embed_tokens.weight
     model.requires_grad_(False)
     for name, param in model.named_parameters():
         if "norm" in name:
