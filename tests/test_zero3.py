@@ -30,7 +30,7 @@ from distributed import run_ranks
 from grad_reference import UNDERFLOW, UNIT_ROUNDOFF, Replay, merged_grads, rank_gradients, whole_grads
 from test_zero_stage12 import PIECE, assert_params_equal
 from tiny_model import make_model
-from zero3_workers import make_wide_model, train_runs
+from zero3_workers import FROZEN_SAVE_STEPS, make_wide_model, train_runs
 from zero_workers import make_config
 
 STEPS = 10
@@ -262,10 +262,26 @@ def test_unsupported_stage3_features_are_refused_at_init(spawned):
 # --------------------------------------------------------------------------- checkpoints
 
 SAVE_STEPS, RESUME_STEPS = 3, 2
+# The stage-3 resume's split_numel: other pieces than the save's 100.
+RESUME_SPLIT_NUMEL = 300
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
+def frozen_checkpoints(tmp_path_factory):
+    """tests/zero3_workers.py ``frozen_checkpoint_runs`` at DP=2: (its results, save dir, export dir)."""
+    from zero3_workers import PERSISTENCE_THRESHOLD, frozen_checkpoint_runs
+
+    workdir = tmp_path_factory.mktemp("zero3_frozen_ckpt")
+    save_dir, export_dir = str(workdir / "ckpt"), str(workdir / "export")
+    stage3 = make_config(2, stage=3, optimizer=OPTIMIZERS["muon"])
+    stage3["zero_optimization"]["stage3_param_persistence_threshold"] = PERSISTENCE_THRESHOLD
+    results = run_ranks(frozen_checkpoint_runs, 2, stage3, make_config(2, stage=2, optimizer=OPTIMIZERS["muon"]),
+                        save_dir, export_dir, timeout=600)
+    return results, save_dir, export_dir
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, frozen_checkpoints):
     from zero3_workers import checkpoint_resume, checkpoint_save
 
     workdir = tmp_path_factory.mktemp("zero3_ckpt")
@@ -275,10 +291,12 @@ def checkpoints(tmp_path_factory):
     # of 300 at stage 3: every item is read from the saved items that cover its range.
     saved = run_ranks(checkpoint_save, 4, make_config(4, stage=3, optimizer=muon, canzona={"split_numel": 100}),
                       save_dir, export_dir, SAVE_STEPS, timeout=600)
+    # The stage-3 DP=3 ranks also load the DP=2 checkpoint with frozen parameters (one spawn for both).
+    _, frozen_dir, _ = frozen_checkpoints
     resumed = {
         (stage, ws): run_ranks(checkpoint_resume, ws, make_config(ws, stage=stage, optimizer=muon, canzona=canzona),
-                               save_dir, SAVE_STEPS, RESUME_STEPS, timeout=600)
-        for stage, ws, canzona in ((2, 2, None), (3, 3, {"split_numel": 300}))
+                               save_dir, SAVE_STEPS, RESUME_STEPS, frozen_dir if stage == 3 else None, timeout=600)
+        for stage, ws, canzona in ((2, 2, None), (3, 3, {"split_numel": RESUME_SPLIT_NUMEL}))
     }
     return saved, resumed, export_dir
 
@@ -307,7 +325,7 @@ def test_stage3_checkpoint_loads_at_other_stages_and_sizes_and_training_continue
     assert results[0]["global_steps"] == SAVE_STEPS
 
     # The single-process optimizer from the consolidated export, fed the resumed run's gradients.
-    replay = Replay(OPTIMIZERS["muon"], make_model, clip=1.0, split_numel=300 if stage == 3 else None)
+    replay = Replay(OPTIMIZERS["muon"], make_model, clip=1.0, split_numel=RESUME_SPLIT_NUMEL if stage == 3 else None)
     exported = load_consolidated_model(export_dir)
     with torch.no_grad():
         for name, param in replay.model.named_parameters():
@@ -341,6 +359,108 @@ def _joined_pieces(owned: dict[str, dict]) -> dict[str, dict]:
                 state[key] = value
         joined[tensor] = state
     return joined
+
+
+def _frozen_names(model) -> list[str]:
+    """The state_dict names of the frozen parameters (a tied one under each of its names)."""
+    return [n for n, p in model.state_dict(keep_vars=True).items() if isinstance(p, torch.nn.Parameter)
+            and not p.requires_grad]
+
+
+def _replay_from_export(export_dir: str, results: list[dict], split_numel: int | None = None) -> dict[str, torch.Tensor]:
+    """The single-process optimizer started from the consolidated export (frozen parameters
+    included) and fed each step's averaged gradients of ``results`` (one dict per rank)."""
+    from ds_canzona.consolidate import load_consolidated_model, load_consolidated_optimizer
+    from zero3_workers import make_lora_model
+
+    replay = Replay(OPTIMIZERS["muon"], make_lora_model, clip=CLIP, split_numel=split_numel)
+    exported = load_consolidated_model(export_dir)
+    with torch.no_grad():
+        for name, param in replay.model.named_parameters():
+            param.copy_(exported[name])
+    replay.optimizer.load_state_dict_by_name(load_consolidated_optimizer(export_dir))
+    for grads in merged_grads(results):
+        replay.step(grads)
+    return replay.params()
+
+
+def test_stage3_checkpoint_holds_frozen_parameters_whole_and_can_leave_them_out(frozen_checkpoints, one_thread):
+    """A LoRA model at stage 3 DP=2 (base weights frozen, on DeepSpeed's even layout): the manifest
+    holds every frozen parameter whole, equal to the value it was built with, also when saved in the
+    middle of an accumulation with some of them gathered; with exclude_frozen_parameters=True it holds
+    none, and the load keeps the engine's own frozen values. A save whose ranks disagree on the frozen
+    parameters, or where one rank fails to copy one, raises on every rank and leaves them in step."""
+    from ds_canzona.zero.checkpoint import read_meta
+    from zero3_workers import make_lora_model
+
+    results, save_dir, _ = frozen_checkpoints
+    built, other = make_lora_model(), make_lora_model(seed=5)
+    frozen = _frozen_names(built)
+    assert "frozen_scale" in frozen and "layers.0.q_proj.base.weight" in frozen and "lm_head.weight" in frozen
+    meta = read_meta(f"{save_dir}/frozen")
+    assert not meta["frozen_excluded"] and sorted(meta["module_extra"]) == sorted(frozen)
+    built_values = built.state_dict()
+    for name in frozen:
+        assert torch.equal(meta["module_extra"][name], built_values[name]), name
+
+    excluded = read_meta(f"{save_dir}/no_frozen")
+    assert excluded["frozen_excluded"] and excluded["module_extra"] == {}
+    loaded = results[0]["no_frozen"]
+    saved = results[0]["saved"]
+    other_values = dict(other.named_parameters())
+    for name, value in loaded.items():
+        assert torch.equal(value, other_values[name] if name in frozen else saved[name]), name
+
+    # Saved after a forward and backward: a persistent frozen parameter still gathered then (the root
+    # module's frozen_scale) was read as it was, the others were gathered for the save.
+    gathered = results[0]["gathered_at_mid_save"]
+    assert all(r["gathered_at_mid_save"] == gathered for r in results)
+    assert "frozen_scale" in gathered and "layers.0.q_proj.base.weight" not in gathered
+    # Failed saves: the same error on every rank (none waits in a gather the others skipped).
+    for r in results:
+        assert "ranks hold different ZeRO-3 frozen parameters" in r["failed_saves"]["lists"]
+        assert "gathering the ZeRO-3 frozen parameters failed on rank" in r["failed_saves"]["copy"]
+    assert "MemoryError: injected" in results[0]["failed_saves"]["copy"]
+    assert "rank(s) [0]" in results[1]["failed_saves"]["copy"]
+    mid = read_meta(f"{save_dir}/mid")["module_extra"]
+    assert sorted(mid) == sorted(frozen)
+    for name in frozen:
+        assert torch.equal(mid[name], other.state_dict()[name]), name
+
+
+def test_stage3_checkpoint_with_frozen_parameters_loads_at_stage3_and_stage2_and_training_continues_exactly(
+        frozen_checkpoints, checkpoints, one_thread):
+    """The stage-3 DP=2 checkpoint with frozen parameters, loaded into engines whose values (frozen ones
+    included) differ: every parameter, gathered whole, equals the saved one (torch.equal). Stage 3 at
+    DP=2 then continues exactly like the run that did not stop; stage 2 at DP=2 and stage 3 at DP=3
+    exactly like the single-process optimizer started from the consolidated export and fed their
+    owners' gradients. A stage-2 checkpoint saved from the stage-2 load loads back at stage 3 DP=2
+    (its frozen values into DeepSpeed's even partitions) and also continues like the run that did not
+    stop."""
+    from zero3_workers import make_lora_model
+
+    results, _, export_dir = frozen_checkpoints
+    saved, uninterrupted = results[0]["saved"], results[0]["uninterrupted"]
+    # Every loading engine starts from these values: each parameter differs from the saved one.
+    other = dict(make_lora_model(seed=5).named_parameters())
+    assert all(not torch.equal(saved[n], other[n]) for n in saved)
+
+    for key in ("stage3", "stage2", "stage3_from_stage2"):
+        for r in results:
+            assert_params_equal(r[key]["loaded"], saved)
+            assert r[key]["global_steps"] == FROZEN_SAVE_STEPS
+    for key in ("stage3", "stage3_from_stage2"):
+        for r in results:
+            assert_params_equal(r[key]["final"], uninterrupted)
+    stage2 = [r["stage2"] for r in results]
+    assert_params_equal(stage2[0]["final"], _replay_from_export(export_dir, stage2))
+
+    _, resumed, _ = checkpoints
+    dp3 = [r["frozen"] for r in resumed[(3, 3)]]
+    for r in dp3:
+        assert_params_equal(r["loaded"], saved)
+        assert r["global_steps"] == FROZEN_SAVE_STEPS
+    assert_params_equal(dp3[0]["final"], _replay_from_export(export_dir, dp3, split_numel=RESUME_SPLIT_NUMEL))
 
 
 @pytest.mark.parametrize("version", ["0.18.9", "0.20.0", "1.19.0"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tiny_model import CheckpointedLM, TinyLM, batches, make_model
+from tiny_model import CheckpointedLM, LoRALinear, TinyLM, batches, make_model
 from zero_workers import CollectiveLog, init_engine
 
 
@@ -143,14 +143,153 @@ def checkpoint_save(rank: int, world_size: int, config: dict, save_dir: str, exp
     return {"owned": _owned_snapshot(engine.optimizer), "params": _params_any_stage(engine)}
 
 
-def checkpoint_resume(rank: int, world_size: int, config: dict, save_dir: str, first: int, steps: int) -> dict:
-    """A fresh engine (any stage, any DP size) loads tag 'saved' and trains ``steps`` more steps."""
+def checkpoint_resume(rank: int, world_size: int, config: dict, save_dir: str, first: int, steps: int,
+                      frozen_dir: str | None = None) -> dict:
+    """A fresh engine (any stage, any DP size) loads tag 'saved' and trains ``steps`` more steps.
+
+    With ``frozen_dir``, a second engine of the same config does the same with the LoRA model
+    and the stage-3 checkpoint of ``frozen_checkpoint_runs`` (its tag 'frozen', saved after
+    ``FROZEN_SAVE_STEPS``), under the result's "frozen".
+    """
     engine = init_engine(config, model=make_model(seed=5))  # other initial values: the load must replace them
     engine.load_checkpoint(save_dir, tag="saved")
     loaded = {"owned": _owned_snapshot(engine.optimizer), "params": _params_any_stage(engine),
               "global_steps": engine.global_steps}
     grads = _train_capture(engine, rank, world_size, first, steps)
-    return {**loaded, "grads": grads, "final": _params_any_stage(engine)}
+    result = {**loaded, "grads": grads, "final": _params_any_stage(engine)}
+    if frozen_dir is not None:
+        engine.destroy()
+        result["frozen"] = _load_and_continue(config, frozen_dir, "frozen", rank, world_size, capture=True)
+    return result
+
+
+# --------------------------------------------------------------------------- frozen parameters in checkpoints
+
+FROZEN_SAVE_STEPS, FROZEN_RESUME_STEPS = 3, 2
+# Parameters of at most this many elements are persistent (kept gathered between uses within a
+# step): the model's norms and ``frozen_scale``; its matrices are not.
+PERSISTENCE_THRESHOLD = 100
+
+
+def make_lora_model(seed: int = 0) -> TinyLM:
+    """TinyLM as a LoRA fine-tune: every base parameter frozen, the output head tied to the
+    embedding (one frozen parameter under two names), trainable rank-2 adapters on each q and v
+    projection, and ``frozen_scale``, a frozen parameter of 7 elements (unused by forward).
+
+    ``seed`` sets every value, frozen ones included (the norms' weights too, which would all be
+    ones otherwise). Width 20 and the 7 elements make DeepSpeed pad the last partition of several
+    frozen tensors at DP=2 (``frozen_scale``) and DP=3.
+    """
+    model = make_model(seed, dim=20)
+    model.lm_head.weight = model.embed_tokens.weight
+    model.requires_grad_(False)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.copy_(1.0 + 0.1 * torch.randn(param.shape))
+    for layer in model.layers:
+        layer.q_proj = LoRALinear(layer.q_proj, 2)
+        layer.v_proj = LoRALinear(layer.v_proj, 2)
+    model.frozen_scale = torch.nn.Parameter(torch.randn(7), requires_grad=False)
+    return model
+
+
+def _load_and_continue(config: dict, save_dir: str, tag: str, rank: int, world_size: int, *,
+                       capture: bool = False, save_tag: str | None = None) -> dict:
+    """A fresh LoRA engine (other values, frozen ones too) loads ``tag``, optionally saves it again
+    as ``save_tag`` at once, and trains FROZEN_RESUME_STEPS steps; the parameters after the load and
+    at the end, gathered whole (at stage 3 by ``GatheredParameters``), and with ``capture`` the
+    owners' averaged gradients of each step."""
+    engine = init_engine(config, model=make_lora_model(seed=5))
+    engine.load_checkpoint(save_dir, tag=tag)
+    out = {"loaded": _params_any_stage(engine), "global_steps": engine.global_steps}
+    if save_tag is not None:
+        engine.save_checkpoint(save_dir, tag=save_tag)
+    grads = _train_capture(engine, rank, world_size, FROZEN_SAVE_STEPS, FROZEN_RESUME_STEPS)
+    out.update(final=_params_any_stage(engine), grads=grads if capture else None)
+    engine.destroy()
+    return out
+
+
+def _failing_frozen_saves(engine, rank: int, save_dir: str) -> dict[str, str | None]:
+    """Two saves that must fail on every rank, neither hanging: the ranks disagree on which frozen
+    parameters to gather (rank 1 leaves them out), and rank 0 fails to copy the second one to the
+    CPU (it must still take part in the gathers of the rest). The error each rank raised, by case."""
+    import ds_canzona.zero.checkpoint.frozen as frozen
+    from ds_canzona.zero.checkpoint import CheckpointError
+
+    errors: dict[str, str | None] = {}
+    try:
+        engine.save_checkpoint(save_dir, tag="bad_lists", exclude_frozen_parameters=rank == 1)
+        errors["lists"] = None
+    except CheckpointError as error:
+        errors["lists"] = str(error)
+
+    real, copies = frozen._cpu_value, []
+
+    def fail_second(param):
+        copies.append(param)
+        if len(copies) == 2:
+            raise MemoryError("injected: no CPU memory for the copy")
+        return real(param)
+
+    if rank == 0:
+        frozen._cpu_value = fail_second
+    try:
+        engine.save_checkpoint(save_dir, tag="bad_copy")
+        errors["copy"] = None
+    except CheckpointError as error:
+        errors["copy"] = str(error)
+    finally:
+        frozen._cpu_value = real
+    return errors
+
+
+def frozen_checkpoint_runs(rank: int, world_size: int, stage3_config: dict, stage2_config: dict, save_dir: str,
+                           export_dir: str) -> dict:
+    """Stage-3 checkpoints of a model with frozen (even-layout) parameters, saved and loaded both ways.
+
+    1. A stage-3 engine trains FROZEN_SAVE_STEPS steps, saves tag 'frozen' and tag 'no_frozen'
+       (``exclude_frozen_parameters=True``), rank 0 consolidates 'frozen', and it trains on
+       (the uninterrupted run).
+    2. Stage 3 loads 'frozen' and continues; stage 2 loads 'frozen', saves it as 'stage2' and
+       continues (gradients captured); stage 3 loads 'stage2' and continues.
+    3. Stage 3 loads 'no_frozen' (its frozen parameters keep their own values), fails two saves
+       (``_failing_frozen_saves``), runs the first micro-batch of a step, and saves tag 'mid' there
+       (a persistent parameter is gathered then, the others are not): that save pairs its gathers
+       only if the failed ones left every rank in step.
+    """
+    import deepspeed.comm as dist
+
+    engine = init_engine(stage3_config, model=make_lora_model())
+    _train_capture(engine, rank, world_size, 0, FROZEN_SAVE_STEPS)
+    engine.save_checkpoint(save_dir, tag="frozen")
+    engine.save_checkpoint(save_dir, tag="no_frozen", exclude_frozen_parameters=True)
+    if rank == 0:
+        from ds_canzona.consolidate import consolidate_checkpoint
+        consolidate_checkpoint(f"{save_dir}/frozen", export_dir, optimizer_states=True)
+    dist.barrier()
+    out = {"saved": gathered_params(engine)}
+    _train_capture(engine, rank, world_size, FROZEN_SAVE_STEPS, FROZEN_RESUME_STEPS)
+    out["uninterrupted"] = gathered_params(engine)
+    engine.destroy()
+
+    out["stage3"] = _load_and_continue(stage3_config, save_dir, "frozen", rank, world_size)
+    out["stage2"] = _load_and_continue(stage2_config, save_dir, "frozen", rank, world_size, capture=True,
+                                       save_tag="stage2")
+    out["stage3_from_stage2"] = _load_and_continue(stage3_config, save_dir, "stage2", rank, world_size)
+
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    engine = init_engine(stage3_config, model=make_lora_model(seed=5))
+    engine.load_checkpoint(save_dir, tag="no_frozen")
+    out["no_frozen"] = gathered_params(engine)
+    out["failed_saves"] = _failing_frozen_saves(engine, rank, save_dir)
+    engine.backward(engine(batches(0, 0, rank, world_size, engine.train_micro_batch_size_per_gpu())))
+    out["gathered_at_mid_save"] = sorted(n for n, p in engine.module.named_parameters()
+                                         if not p.requires_grad and p.ds_status == ZeroParamStatus.AVAILABLE)
+    engine.save_checkpoint(save_dir, tag="mid")
+    engine.destroy()
+    return out
 
 
 # --------------------------------------------------------------------------- everyday features at stage 3

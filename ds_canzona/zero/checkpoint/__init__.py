@@ -42,6 +42,8 @@ The package, by seam (each importable alone, in this order of dependence):
     agreement.py   the one-all-gather agreement that makes a failure on one rank an error on all
     batch.py       the global batch a checkpoint records, and the warning when a load changes it
     hf_config.py   the module's HuggingFace config files, carried into the consolidated export
+    frozen.py      ZeRO-3 frozen parameters (DeepSpeed's even layout): gathered whole for a save,
+                   written slice by slice into their partitions on load
     engine.py      engine.save_checkpoint / engine.load_checkpoint for the ZeRO-1/2 optimizer,
                    the only module that knows its buffers and plan
 """

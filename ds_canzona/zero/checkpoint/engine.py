@@ -25,6 +25,8 @@ from ds_canzona.zero.checkpoint.files import atomic_write, remove_stale, resolve
 from ds_canzona.zero.checkpoint.format import (FORMAT, LATEST_FILE, META_FILE, CheckpointError, check_same_model,
                                                check_tag, master_key, read_meta, serialize_meta, shard_header,
                                                shard_name, state_key)
+from ds_canzona.zero.checkpoint.frozen import (check_value, digest, gather_to_cpu, is_partitioned, partitioned_frozen,
+                                               write_full_value)
 from ds_canzona.zero.checkpoint.hf_config import hf_config_files
 from ds_canzona.zero.checkpoint.reader import Checkpoint
 
@@ -67,8 +69,9 @@ def _owned_payload(zero) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, A
 def _module_extra(engine, zero, *, exclude_frozen: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The module's state that the optimizer does not own, and the aliases of trained tensors.
 
-    Buffers and frozen parameters are returned as they are; a state_dict entry that *is* a
-    trained parameter under another name (tied weights) is an alias, not a copy.
+    Buffers and frozen parameters are returned as they are (a ZeRO-3 frozen parameter as the
+    live parameter, whose local data is a placeholder: ``frozen`` gathers it); a state_dict
+    entry that *is* a trained parameter under another name (tied weights) is an alias, not a copy.
     """
     trained = {id(p): name for p, name in zip(zero.params, zero.names)}
     extra: dict[str, torch.Tensor] = {}
@@ -80,12 +83,6 @@ def _module_extra(engine, zero, *, exclude_frozen: bool = False) -> tuple[dict[s
             continue
         if exclude_frozen and isinstance(value, torch.nn.Parameter):
             continue
-        if hasattr(value, "ds_id"):
-            # A frozen parameter partitioned by ZeRO-3 (DeepSpeed's even layout): its local value
-            # is an empty placeholder, and gathering it is a collective this code path cannot make.
-            raise CheckpointError(f"frozen parameter {key!r} is partitioned by ZeRO-3; ds_canzona's stage-3 "
-                                  "checkpoints hold trained parameters and buffers only: save with "
-                                  "exclude_frozen_parameters=True and rebuild the frozen weights from their source")
         extra[key] = value
     return extra, aliases
 
@@ -109,13 +106,14 @@ def _batch(engine, zero) -> dict[str, int]:
                         accumulation=engine.gradient_accumulation_steps(), ranks=zero.world_size)
 
 
-def _build_meta(engine, zero, tag: str, client_state: dict | None, exclude_frozen: bool) -> dict[str, Any]:
+def _build_meta(engine, zero, tag: str, client_state: dict | None, exclude_frozen: bool,
+                extra: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict[str, Any]:
+    """The manifest; a ZeRO-3 frozen parameter's value is None here, filled in once gathered."""
     import deepspeed
 
     import ds_canzona
 
     group_index = {id(g): i for i, g in enumerate(zero.optimizer.param_groups)}
-    extra, aliases = _module_extra(engine, zero, exclude_frozen=exclude_frozen)
     scheduler = getattr(engine, "lr_scheduler", None)
     return {
         "format": FORMAT,
@@ -136,7 +134,7 @@ def _build_meta(engine, zero, tag: str, client_state: dict | None, exclude_froze
         "batch": _batch(engine, zero),
         "lr_scheduler": scheduler.state_dict() if scheduler is not None and hasattr(scheduler, "state_dict") else None,
         "client_state": dict(client_state or {}),
-        "module_extra": {k: _cpu_copy(v) for k, v in extra.items()},
+        "module_extra": {k: None if is_partitioned(v) else _cpu_copy(v) for k, v in extra.items()},
         "frozen_excluded": bool(exclude_frozen),
         "aliases": aliases,
         "hf_config_files": hf_config_files(engine.module),
@@ -178,6 +176,8 @@ def save_engine_checkpoint(engine, save_dir, *, tag=None, client_state: dict | N
     ranks = _agreement(zero)
     error: BaseException | None = None
     payload = meta = None
+    frozen = []
+    frozen_digest = 0
     ckpt_dir = ""
     try:
         if not save_dir or not isinstance(save_dir, (str, os.PathLike)):
@@ -190,17 +190,34 @@ def save_engine_checkpoint(engine, save_dir, *, tag=None, client_state: dict | N
         ckpt_dir = os.path.join(save_dir, tag)
         os.makedirs(ckpt_dir, exist_ok=True)
         payload = _owned_payload(zero)
+        extra, aliases = _module_extra(engine, zero, exclude_frozen=exclude_frozen_parameters)
+        frozen = partitioned_frozen(extra)
+        frozen_digest = digest(frozen)
         if ranks.rank == 0:
-            meta = _build_meta(engine, zero, tag, client_state, exclude_frozen_parameters)
+            meta = _build_meta(engine, zero, tag, client_state, exclude_frozen_parameters, extra, aliases)
             serialize_meta(meta)
     except Exception as caught:
         error = caught
-    rows = ranks.gather([error is None, tag_hash(tag), secrets.randbits(62)])
+    rows = ranks.gather([error is None, tag_hash(tag), secrets.randbits(62), frozen_digest])
     ranks.check(rows, error, "preparing the checkpoint")
     if len(set(rows[:, 1].tolist())) != 1:
         raise CheckpointError(f"ranks passed different checkpoint tags (this rank: {tag!r}); pass the same tag "
                               "on every rank")
+    if len(set(rows[:, 3].tolist())) != 1:
+        raise CheckpointError("ranks hold different ZeRO-3 frozen parameters (names, shapes, or gathered on some "
+                              "ranks only); save between steps, with the same module on every rank")
     save_id = f"{int(rows[0, 2]):016x}"
+
+    # ZeRO-3 frozen parameters: every rank gathers each in turn (a collective), rank 0 keeps them
+    if frozen:
+        values, error = gather_to_cpu(frozen, keep=ranks.rank == 0)
+        if ranks.rank == 0 and error is None:
+            try:
+                meta["module_extra"] = {k: values[k] if v is None else v for k, v in meta["module_extra"].items()}
+            except Exception as caught:
+                error = caught
+        rows = ranks.gather([error is None])
+        ranks.check(rows, error, "gathering the ZeRO-3 frozen parameters")
 
     # 1. every rank writes its shard under a name no earlier save used
     path = os.path.join(ckpt_dir, shard_name(ranks.rank, save_id))
@@ -351,6 +368,7 @@ def load_engine_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bo
     ckpt: Checkpoint | None = None
     found = False
     extra: dict[str, torch.Tensor] = {}
+    current_extra: dict[str, torch.Tensor] = {}
     try:
         if custom_load_fn is not None:
             raise CheckpointError("custom_load_fn is not supported with the 'canzona' section")
@@ -374,6 +392,8 @@ def load_engine_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bo
                     f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]} (load_module_strict=False loads the "
                     "common ones)")
             extra = {k: v for k, v in saved_extra.items() if k in current_extra}
+            for key, value in extra.items():
+                check_value(key, current_extra[key], value)
     except Exception as caught:
         error = caught
     rows = ranks.gather([error is None, found])
@@ -387,6 +407,9 @@ def load_engine_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bo
 
     try:
         _copy_owned(ckpt, zero.load_targets(), with_state, zero)
+        # ZeRO-3 frozen parameters: each rank writes its slice of the full value (no collective).
+        for key in [k for k in extra if is_partitioned(current_extra[k])]:
+            write_full_value(current_extra[key], extra.pop(key))
     except Exception as caught:
         error = caught
     rows = ranks.gather([error is None])
