@@ -249,7 +249,20 @@ def trainer_at_stage3(rank: int, world_size: int, outdir: str) -> dict:
     trainer.train()
     engine = trainer.model_wrapped
     zero = engine.optimizer
+    # The Trainer's final save (stage3_gather_16bit_weights_on_model_save in the config): DeepSpeed
+    # gathers the model module by module to rank 0 through the owner layout's fetch.
+    import deepspeed
+
+    def gathered() -> dict:
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    trained = gathered()
+    trainer.save_model(f"{outdir}/final")
     return {
+        "trained": trained,
+        "after_save": gathered(),  # the save's gather and release (modifier_rank=0) left the shards as they were
+        "saved": _saved_weights(f"{outdir}/final") if rank == 0 else None,
         "built_under_zero_init": built_under_zero_init,
         "optimizer": type(zero).__module__,
         "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
@@ -259,8 +272,16 @@ def trainer_at_stage3(rank: int, world_size: int, outdir: str) -> dict:
     }
 
 
+def _saved_weights(directory: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(f"{directory}/model.safetensors")
+
+
 def test_trainer_at_stage3_builds_the_model_under_zero_init_and_trains_with_owner_placement(tmp_path: Path):
     import math
+
+    import torch
 
     results = run_ranks(trainer_at_stage3, 2, str(tmp_path), timeout=300)
     for result in results:
@@ -275,3 +296,11 @@ def test_trainer_at_stage3_builds_the_model_under_zero_init_and_trains_with_owne
     assert results[0]["losses"] == results[1]["losses"], "the logged loss is the mean over ranks"
     owned = [set(r["owned"]) for r in results]
     assert not owned[0] & owned[1] and owned[0] | owned[1] == set(results[0]["kinds"]), "each tensor one owner"
+    # trainer.save_model wrote the trained weights whole (a tied head is saved once, as its embedding).
+    saved, trained = results[0]["saved"], results[0]["trained"]
+    assert set(saved) <= set(trained) and "model.layers.0.mlp.up_proj.weight" in saved
+    for name, value in saved.items():
+        assert torch.equal(value, trained[name]), name
+    for result in results:
+        for name, value in result["after_save"].items():
+            assert torch.equal(value, result["trained"][name]), name
