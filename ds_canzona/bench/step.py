@@ -23,8 +23,9 @@ Systems (Muon): ds_canzona ZeRO-1 and ZeRO-2; DeepSpeed 0.19.8's own Muon at ZeR
 with ``reduce_scatter`` on and off; the synchronous scheme and the layer-wise scheme
 (``baselines``); at ZeRO-3, DeepSpeed's own Muon (``reduce_scatter`` off, as it requires) and
 ds_canzona's owner placement with the same config (a system whose config ds_canzona refuses at
-``deepspeed.initialize`` is reported "not available: <the error>"), whose tables ``step_zero3``
-prints. Shampoo: ds_canzona ZeRO-1 and ZeRO-2 against the
+``deepspeed.initialize`` is reported "not available: <the error>"), and the same with the
+embedding and head (AdamW tensors) owned in 8 canonical pieces each (``canzona-z3-pieces``),
+whose tables ``step_zero3`` prints. Shampoo: ds_canzona ZeRO-1 and ZeRO-2 against the
 synchronous and layer-wise schemes. Every system runs the same Newton-Schulz method (Gram by
 default) in fp32: DeepSpeed's would pick fp16 on this CPU (oneDNN reports fp16 support) and is
 held at fp32, and its ``torch.compile`` wrapper is switched off (``TORCHDYNAMO_DISABLE=1`` in the
@@ -88,6 +89,9 @@ class System:
     stage: int
     reduce_scatter: bool = True
     optimizers: tuple[str, ...] = ("muon",)
+    # ds_canzona only: cut each vocab x hidden tensor (the embedding, the untied head) into this many
+    # canonical pieces, by ``canzona.split_numel`` = vocab x hidden / pieces of the benchmark model.
+    vocab_pieces: int | None = None
 
 
 SYSTEMS: dict[str, System] = {s.key: s for s in (
@@ -102,6 +106,8 @@ SYSTEMS: dict[str, System] = {s.key: s for s in (
     System(key="deepspeed-z3", label="DeepSpeed Muon ZeRO-3 (reduce_scatter off)", runtime="deepspeed", stage=3,
            reduce_scatter=False),
     System(key="canzona-z3", label="ds_canzona ZeRO-3", runtime="canzona", stage=3, reduce_scatter=False),
+    System(key="canzona-z3-pieces", label="ds_canzona ZeRO-3, AdamW tensors in pieces", runtime="canzona", stage=3,
+           reduce_scatter=False, vocab_pieces=8),
     System(key="synchronous", label="synchronous (every rank, every matrix)", runtime="synchronous", stage=0,
            optimizers=("muon", "shampoo")),
     System(key="layerwise", label="layer-wise (all-reduce, LPT owners, broadcast)", runtime="layerwise", stage=0,
@@ -157,6 +163,9 @@ def _engine_config(system: System, optimizer: str, settings: dict[str, Any], wor
         config["optimizer"] = {"type": "Muon" if optimizer == "muon" else "Shampoo", "params": params}
     if system.runtime == "canzona":
         config["canzona"] = {"log_plan": False, "kernels": "torch"}
+        if system.vocab_pieces:
+            # Below the default split_numel on this model, so the other rows own these tensors whole.
+            config["canzona"]["split_numel"] = -(-shape.vocab * shape.hidden // system.vocab_pieces)
     if system.runtime == "deepspeed" or system.stage == 3:
         # DeepSpeed's ZeRO-3 Muon refuses reduce_scatter; ds_canzona's ZeRO-3 row takes the same config.
         config["zero_optimization"]["reduce_scatter"] = system.reduce_scatter
