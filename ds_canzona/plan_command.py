@@ -20,7 +20,8 @@ from .plan.cost import COST_MODELS, DEFAULT_MACHINE_BALANCE, CostModel, cost_mod
 from .plan.dp import DEFAULT_SPLIT_NUMEL, STRATEGIES, plan_dp_partitions
 from .plan.memory import StateMemory, memory_model
 from .plan.models import model_specs, shipped_models
-from .plan.report import COMMUNICATION_LEGEND, format_dp_table, format_tp_groups, plot_dp
+from .plan.owners import plan_zero3_owners
+from .plan.report import COMMUNICATION_LEGEND, format_dp_table, format_tp_groups, format_zero3_table, plot_dp
 from .plan.specs import ParamSpec, PlanError, shard_for_tp, specs_from_hf_config, specs_from_shapes_file
 from .plan.tp import DEFAULT_CAPACITY_BYTES, plan_tp_micro_groups
 
@@ -37,6 +38,8 @@ def run_plan(args: argparse.Namespace) -> int:
             raise PlanError(f"Invalid {flag} {value}: must be a positive integer.")
     specs, source = _load_specs(args)
     cost = _cost_model(args)
+    if args.stage == 3:
+        return _run_zero3(args, specs, source, cost)
     if args.tp > 1:
         specs = shard_for_tp(specs, args.tp)
     plan = plan_dp_partitions(
@@ -67,6 +70,24 @@ def run_plan(args: argparse.Namespace) -> int:
         print(format_tp_groups(tp_plan))
     if args.plot:
         print(f"\nplot written to {args.plot}")
+    return 0
+
+
+def _run_zero3(args: argparse.Namespace, specs: list[ParamSpec], source: str, cost: CostModel) -> int:
+    """The ZeRO-3 owner plan (``plan_zero3_owners``): what the stage-3 runtime would place where."""
+    # What the owner layout has no use for, or the runtime refuses at stage 3, is refused here too.
+    for flag, given in (("--tp", args.tp > 1), ("--max-state-bytes", args.max_state_bytes is not None),
+                        ("--plot", bool(args.plot))):
+        if given:
+            raise PlanError(f"{flag} does not apply with --stage 3 (owner placement: no buckets, AutoTP and "
+                            "max_state_bytes_per_rank are refused at stage 3)")
+    plan = plan_zero3_owners(specs, world_size=args.dp, cost=cost, split_numel=args.split_numel)
+    if args.json:
+        json.dump({**plan.to_dict(), "digest": plan.digest()}, sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    total = sum(spec.numel for spec in specs)
+    print(format_zero3_table(plan, title=f"{source}: {len(specs)} tensors, {total:,} elements"))
     return 0
 
 
@@ -104,6 +125,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-state-bytes", type=_count, default=None, metavar="BYTES",
                         help="hard cap on a rank's state bytes (canzona.max_state_bytes_per_rank), bought with "
                              "step time; an error if no plan meets it")
+    parser.add_argument("--stage", type=int, choices=(1, 2, 3), default=2,
+                        help="ZeRO stage: 1 or 2 plan buckets (default), 3 plans owners (each item whole on one rank; "
+                             "--split-numel applies, bucket and strategy options do not)")
     parser.add_argument("--strategy", choices=STRATEGIES, default="alpha_balanced")
     parser.add_argument("--split-numel", type=_split_count, default=DEFAULT_SPLIT_NUMEL, metavar="N",
                         help=f"plan non-matrix tensors above N elements in pieces of N (default {DEFAULT_SPLIT_NUMEL}, "

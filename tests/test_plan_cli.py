@@ -197,3 +197,24 @@ def test_memory_columns_bounds_and_cap(capsys: pytest.CaptureFixture[str]) -> No
     error = capsys.readouterr().err
     assert error.startswith("ds-canzona plan: error: max_state_bytes_per_rank=1,000,000 cannot be met")
     assert error.count("\n") == 1
+
+
+def test_stage3_owner_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    """--stage 3 prints the ZeRO-3 owner plan the runtime builds (plan_zero3_owners, same split_numel)."""
+    from ds_canzona.plan import DEFAULT_SPLIT_NUMEL, cost_model, model_specs, plan_zero3_owners
+
+    assert main(["plan", "--model", "qwen3-0.6b", "--dp", "8", "--stage", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO-3 owner placement" in out and "347 items (38 of them pieces of at most 4,194,304 elements)" in out
+    assert "largest item model.embed_tokens.weight[0:4194304]" in out
+    assert main(["plan", "--model", "qwen3-0.6b", "--dp", "8", "--stage", "3", "--split-numel", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "pieces" not in out and "largest item model.embed_tokens.weight (155,582,464 elements, 2.088" in out
+    assert main(["plan", "--model", "qwen3-0.6b", "--dp", "8", "--stage", "3", "--cost", "flops", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    plan = plan_zero3_owners(model_specs("qwen3-0.6b"), world_size=8, cost=cost_model("flops"),
+                             split_numel=DEFAULT_SPLIT_NUMEL)
+    assert document["digest"] == plan.digest() and [p["owner"] for p in document["params"]] == list(plan.owner)
+    for flag in (["--tp", "2"], ["--max-state-bytes", "1e9"]):
+        assert main(["plan", "--model", "qwen3-0.6b", "--dp", "8", "--stage", "3", *flag]) == 2
+        assert f"{flag[0]} does not apply with --stage 3" in capsys.readouterr().err

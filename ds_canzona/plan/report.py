@@ -10,16 +10,45 @@ from __future__ import annotations
 from typing import Any
 
 from .dp import DPPlan, lpt_loads
+from .owners import Zero3Plan
 from .specs import PlanError
 from .tp import TPPlan
 
-__all__ = ["COMMUNICATION_LEGEND", "format_dp_table", "format_tp_groups", "plot_dp"]
+__all__ = ["COMMUNICATION_LEGEND", "format_dp_table", "format_tp_groups", "format_zero3_table", "plot_dp"]
 
 # What the table's "communication" number is, and what alpha trades (docs/PLANNER.md, "Reading the table").
 COMMUNICATION_LEGEND = (
     "communication: how long the uneven reduce-scatters and all-gathers take against DeepSpeed's equal cuts\n"
     "(each bucket's largest segment, summed, over the even segments); alpha 0 keeps it lowest, alpha 1 evens the cost."
 )
+
+
+def format_zero3_table(plan: Zero3Plan, *, title: str = "") -> str:
+    """The ZeRO-3 owner plan per rank: cost and elements with their shares of the average, items owned.
+
+    Under it the ratios and the largest item (named): no plan puts less than it on one rank.
+    """
+    costs, numels = plan.rank_costs(), plan.rank_numels()
+    mean_cost = sum(plan.costs) / plan.world_size
+    mean_numel = sum(spec.numel for spec in plan.specs) / plan.world_size
+    items = [len(plan.owned_params(rank)) for rank in range(plan.world_size)]
+    pieces = sum(len(items) for items in plan.tensor_items() if len(items) > 1)
+    lines = [title] if title else []
+    lines.append(f"ZeRO-3 owner placement, cost {plan.cost_label}, DP {plan.world_size}, {len(plan.specs)} items"
+                 + (f" ({pieces} of them pieces of at most {plan.split_numel:,} elements)" if pieces else ""))
+    lines.append("")
+    lines.append(f"{'rank':>5}  {'cost':>11}  {'cost/avg':>8}  {'elements':>15}  {'elem/avg':>8}  {'items':>6}")
+    for rank in range(plan.world_size):
+        cost_share = costs[rank] / mean_cost if mean_cost > 0 else 0.0
+        numel_share = numels[rank] / mean_numel if mean_numel > 0 else 0.0
+        lines.append(f"{rank:>5}  {costs[rank]:>11.4g}  {cost_share:>8.3f}  {numels[rank]:>15,}  {numel_share:>8.3f}  "
+                     f"{items[rank]:>6}")
+    largest = max(range(len(plan.specs)), key=lambda i: plan.specs[i].numel)
+    lines.append("")
+    lines.append(f"max/avg: cost {plan.flops_ratio:.3f}, elements {plan.memory_ratio:.3f}; largest item "
+                 f"{plan.specs[largest].name} ({plan.specs[largest].numel:,} elements, "
+                 f"{plan.specs[largest].numel / mean_numel:.3f} of the average)")
+    return "\n".join(lines)
 
 
 def format_dp_table(plan: DPPlan, *, title: str = "") -> str:
