@@ -105,6 +105,36 @@ def outside_bound(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], b
     return counts
 
 
+def whole_batch_training(optimizer: dict, model: torch.nn.Module,
+                         loss: Callable[[torch.nn.Module, int, int, int], torch.Tensor], *, world_size: int,
+                         steps: int, ga: int, clip: float) -> dict[str, torch.Tensor]:
+    """Plain single-process training of ``model`` with ``ds_canzona.optim`` on each step's whole batch.
+
+    ``loss(model, step, micro, rank)`` is one rank's micro-batch loss; each step's gradient is the
+    mean over ranks and micro-batches, clipped by the global norm (per-tensor squared norms summed
+    in float64, as the runtime clips). Returns the parameters after ``steps`` steps.
+    """
+    from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
+    from ds_canzona.zero.build import translate_optimizer_params
+    import ds_canzona.optim as optim
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    name = optimizer["type"].lower()
+    cls = {"muon": optim.Muon, "shampoo": optim.Shampoo, "soap": optim.SOAP}[name]
+    opt = cls(named, **translate_optimizer_params(name, optimizer["params"]))
+    for step in range(steps):
+        for micro in range(ga):
+            for rank in range(world_size):
+                (loss(model, step, micro, rank) / (ga * world_size)).backward()
+        _, coefficient = clip_coefficient(torch.stack([tensor_sq_norm(p.grad) for _, p in named]), clip)
+        if coefficient < 1.0:
+            for _, p in named:
+                p.grad.mul_(coefficient)
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
 class Replay:
     """The single-process ds_canzona.optim optimizer over ``model_factory()``, stepped with given gradients.
 

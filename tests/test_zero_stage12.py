@@ -99,27 +99,10 @@ def _replay(optimizer: dict, grads_per_step: list[dict], clip: float, model_fact
 
 def whole_batch_reference(optimizer: dict, world_size: int, ga: int, clip: float) -> dict:
     """Plain single-process training on each step's whole global batch."""
-    from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
-    from ds_canzona.zero.build import translate_optimizer_params
-    import ds_canzona.optim as optim
+    from grad_reference import whole_batch_training  # imports this module: not at the top
 
-    model = make_model()
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    name = optimizer["type"].lower()
-    cls = {"muon": optim.Muon, "shampoo": optim.Shampoo, "soap": optim.SOAP}[name]
-    opt = cls(named, **translate_optimizer_params(name, optimizer["params"]))
-    for step in range(STEPS):
-        for micro in range(ga):
-            for rank in range(world_size):
-                (model(batches(step, micro, rank, world_size)) / (ga * world_size)).backward()
-        sq = torch.stack([tensor_sq_norm(p.grad) for _, p in named])
-        _, coefficient = clip_coefficient(sq, clip)
-        if coefficient < 1.0:
-            for _, p in named:
-                p.grad.mul_(coefficient)
-        opt.step()
-        opt.zero_grad()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return whole_batch_training(optimizer, make_model(), lambda model, step, micro, rank: model(
+        batches(step, micro, rank, world_size)), world_size=world_size, steps=STEPS, ga=ga, clip=clip)
 
 
 def assert_params_equal(a: dict, b: dict) -> None:

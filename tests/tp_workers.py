@@ -275,26 +275,10 @@ def tp_scenarios(rank: int, world_size: int, scenarios: list[dict]) -> list[dict
 def reference_training(optimizer: dict, *, dp: int, steps: int, ga: int = 1) -> dict[str, torch.Tensor]:
     """Single-process training with ``ds_canzona.optim`` on the whole model: each step's gradient is the
     mean over the DP ranks' micro-batches, clipped by the global norm as the runtime clips."""
-    import ds_canzona.optim as optim
-    from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
-    from ds_canzona.zero.build import translate_optimizer_params
+    from grad_reference import whole_batch_training
 
-    model = make_qwen3()
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    name = optimizer["type"].lower()
-    cls = {"muon": optim.Muon, "shampoo": optim.Shampoo, "soap": optim.SOAP}[name]
-    opt = cls(named, **translate_optimizer_params(name, optimizer["params"]))
-    for step in range(steps):
-        for micro in range(ga):
-            for dp_rank in range(dp):
-                (lm_loss(model, tokens(step, micro, dp_rank)) / (ga * dp)).backward()
-        _, coefficient = clip_coefficient(torch.stack([tensor_sq_norm(p.grad) for _, p in named]), CLIP)
-        if coefficient < 1.0:
-            for _, p in named:
-                p.grad.mul_(coefficient)
-        opt.step()
-        opt.zero_grad()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return whole_batch_training(optimizer, make_qwen3(), lambda model, step, micro, rank: lm_loss(
+        model, tokens(step, micro, rank)), world_size=dp, steps=steps, ga=ga, clip=CLIP)
 
 
 def reference_fed(optimizer: dict, *, steps: int, bf16: bool = False) -> dict[str, torch.Tensor]:

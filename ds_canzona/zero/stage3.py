@@ -98,9 +98,10 @@ class CanzonaZero3Optimizer(OwnerRuntime):
         self.layout = OwnerLayout(group=dp_process_group, counter=self.comm)
         self.layout.install(module.parameters())
         self._tensor_items = self.plan.tensor_items()
-        self.layout.place(self.params, [[(start, stop, self.plan.owner[item])
-                                         for item in items for _, start, stop in [self.plan.pieces[item]]]
-                                        for items in self._tensor_items])
+        layout_pieces: list[list[tuple[int, int, int]]] = [[] for _ in self.params]
+        for item, (tensor, start, stop) in enumerate(self.plan.pieces):
+            layout_pieces[tensor].append((start, stop, self.plan.owner[item]))
+        self.layout.place(self.params, layout_pieces)
         placed = set(map(id, self.params))
         self.parameter_offload.persistent_parameters[:] = [
             p for p in self.parameter_offload.persistent_parameters if id(p) not in placed]
