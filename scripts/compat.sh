@@ -17,7 +17,7 @@
 # COMPAT_SUBSET=stage3 runs the ZeRO-3 (owner placement) subset instead: distributed == single
 # process and plain torch at DP 2 (Muon, accumulation 3), a zero.Init model, the step's only
 # collective being the norm all-reduce, and a checkpoint saved and resumed at DP 2. Stage 3 is
-# refused on releases outside owner_placement.STAGE3_DEEPSPEED_VERSIONS, so for each release the
+# refused on releases outside versions.STAGE3_DEEPSPEED_VERSIONS, so for each release the
 # snapshot's copy of that tuple (never the working tree or the shipped code) is rewritten to the
 # release under test before its tests run; a release passes when the runtime works there.
 set -uo pipefail
@@ -29,7 +29,7 @@ if [ $# -gt 0 ]; then
   versions=("$@")
 else
   read -r -a versions < <(PYTHONPATH=$repo python -c \
-    "from ds_canzona.zero.hook import SUPPORTED_DEEPSPEED_VERSIONS as v; print(' '.join(v))")
+    "from ds_canzona.zero.versions import SUPPORTED_DEEPSPEED_VERSIONS as v; print(' '.join(v))")
 fi
 
 subset=${COMPAT_SUBSET:-stage12}
@@ -87,7 +87,7 @@ for version in "${versions[@]}"; do
       >> "$log" 2>&1 || echo "note: the shared-memory comm op did not build; gloo works without it" >> "$log"
     if [ "$subset" = stage3 ]; then
       # The snapshot's gate accepts exactly the release under test (see the header).
-      gate=$snapshot/ds_canzona/zero/owner_placement.py
+      gate=$snapshot/ds_canzona/zero/versions.py
       sed -i "s/^STAGE3_DEEPSPEED_VERSIONS = .*/STAGE3_DEEPSPEED_VERSIONS = (\"$version\",)/" "$gate"
       grep -qx "STAGE3_DEEPSPEED_VERSIONS = (\"$version\",)" "$gate" ||
         { echo "could not set STAGE3_DEEPSPEED_VERSIONS in the snapshot"; exit 1; }

@@ -24,7 +24,8 @@ from tiny_model import TinyLM, make_moe_model
 
 from ds_canzona.config import CanzonaConfigError
 from ds_canzona.optim import is_matrix
-from ds_canzona.zero.build import PerGroupCost, optimizer_from_config, plan_cost_model
+from ds_canzona.zero.build import optimizer_from_config
+from ds_canzona.zero.pricing import PerGroupCost, plan_cost_model
 
 # ds_canzona against DeepSpeed's Muon after 8 steps, per tensor: |ours - theirs| / |theirs - start|.
 # The math is the same (same groups, fp32 Newton-Schulz "standard", no clipping, gradient

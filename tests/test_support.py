@@ -197,7 +197,7 @@ def test_keys_without_numeric_effect_are_accepted():
                                          ("0.18.4", False), ("0.20.0", False), ("0.19.9", False),
                                          ("0.19.10", False), ("garbage", False)])
 def test_deepspeed_version_check(version, ok):
-    from ds_canzona.zero.hook import check_deepspeed_version, deepspeed_version_supported
+    from ds_canzona.zero.versions import check_deepspeed_version, deepspeed_version_supported
     from ds_canzona.config import CanzonaConfigError
 
     assert deepspeed_version_supported(version) is ok
@@ -210,7 +210,7 @@ def test_deepspeed_version_check(version, ok):
 def test_setup_declares_the_versions_the_hook_accepts():
     import re
     from pathlib import Path
-    from ds_canzona.zero.hook import SUPPORTED_DEEPSPEED_VERSIONS
+    from ds_canzona.zero.versions import SUPPORTED_DEEPSPEED_VERSIONS
 
     setup = (Path(__file__).resolve().parent.parent / "setup.py").read_text()
     [requirement] = re.findall(r'"deepspeed([^"]*)"', setup)

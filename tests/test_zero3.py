@@ -466,7 +466,7 @@ def test_stage3_checkpoint_with_frozen_parameters_loads_at_stage3_and_stage2_and
 @pytest.mark.parametrize("version", ["0.18.9", "0.20.0", "1.19.0"])
 def test_stage3_is_refused_on_deepspeed_releases_it_was_not_checked_against(version):
     from ds_canzona.config import CanzonaConfigError
-    from ds_canzona.zero.owner_placement import check_stage3_version
+    from ds_canzona.zero.versions import check_stage3_version
 
     with pytest.raises(CanzonaConfigError, match=f"zero_optimization.stage 3 .* found {version}"):
         check_stage3_version(version)

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ds_canzona.config import MATRIX_OPTIMIZERS, CanzonaConfigError
-from ds_canzona.plan import CostModel, ParamSpec
 from ds_canzona.zero.support import autotp_size
 
 # DeepSpeed's Muon config keys and what they mean for ds_canzona's Muon: the shared lr and
@@ -177,57 +175,6 @@ def optimizer_from_config(engine, model_parameters=None):
         raise CanzonaConfigError(f"invalid optimizer.params or param group for {name}: {error}") from None
 
 
-@dataclass(frozen=True)
-class PerGroupCost:
-    """Prices each matrix with its own param group's cost model (groups whose rules price differently).
-
-    Param groups that differ only in lr or weight decay share one model; groups with another
-    Newton-Schulz method, step count or Shampoo/SOAP setting each price their own matrices.
-    Everything else (AdamW tensors and their pieces) is priced alike by every model.
-    """
-
-    by_name: dict[str, CostModel]
-    default: CostModel
-    name: str
-    label: str
-
-    def cost(self, spec: ParamSpec) -> float:
-        return self.by_name.get(spec.name, self.default).cost(spec)
-
-
-def plan_cost_model(config, names: list[str], groups: list[dict], device_name: str) -> CostModel:
-    """The planner's cost model for tensors ``names`` whose param groups are ``groups`` (one each).
-
-    Built from the config and the device kind, never measured here: every rank must plan alike.
-    """
-    from ds_canzona.optim import rule_for_group
-    from ds_canzona.plan import cost_model, default_machine_balance
-
-    kind = config.cost_model
-    if kind == "numel":
-        return cost_model("numel")
-    options = {}
-    if kind == "roofline":
-        options["machine_balance"] = config.machine_balance or default_machine_balance(device_name)
-    models: dict[tuple, CostModel] = {}
-    by_name: dict[str, CostModel] = {}
-    for name, group in zip(names, groups):
-        if group["kind"] == "adamw":
-            continue
-        # Priced with the group's own settings (Newton-Schulz steps and method, Shampoo's refresh
-        # period, ...), so the plan balances what will actually run.
-        settings = rule_for_group(group).cost_options()
-        key = (group["kind"], tuple(sorted(settings.items())))
-        if key not in models:
-            models[key] = cost_model(kind, optimizer=group["kind"], **options, **settings)
-        by_name[name] = models[key]
-    if len(models) <= 1:
-        return next(iter(models.values()), None) or cost_model(kind, **options)
-    default = next(iter(models.values()))
-    label = "+".join(model.label for model in models.values())
-    return PerGroupCost(by_name=by_name, default=default, name=kind, label=label)
-
-
 def gradient_numerics(engine) -> dict[str, Any]:
     """DeepSpeed's gradient numerics keys, as CanzonaZeroOptimizer's arguments; refused where not honoured.
 
@@ -350,5 +297,5 @@ def _build_stage3(engine, basic, numerics: dict[str, Any]):
     )
 
 
-__all__ = ["PerGroupCost", "build_canzona_optimizer", "gradient_numerics", "plan_cost_model", "named_parameter_groups",
+__all__ = ["build_canzona_optimizer", "gradient_numerics", "named_parameter_groups",
            "optimizer_from_config", "translate_group_keys", "translate_optimizer_params", "zero3_offload_kwargs", "MATRIX_OPTIMIZERS"]

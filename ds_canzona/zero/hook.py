@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
+
+from ds_canzona.zero.versions import check_deepspeed_version
 
 # Neither DeepSpeed nor ds_canzona.config is imported at the top: this module is loaded while
 # DeepSpeed's engine module is being imported, possibly from inside ds_canzona.config's own
@@ -43,27 +44,7 @@ import re
 
 logger = logging.getLogger("ds_canzona")
 
-# The releases scripts/compat.sh passed on (docs/NOTES.md, "DeepSpeed versions"); setup.py
-# declares the same range.
-SUPPORTED_DEEPSPEED_VERSIONS = tuple(f"0.19.{patch}" for patch in range(9))
 _PATCHED_FLAG = "_ds_canzona_patched"
-
-
-def deepspeed_version_supported(version: str) -> bool:
-    """Whether ``version`` (local suffixes such as "+abc123" ignored) is one ds_canzona was tested with."""
-    release = re.match(r"\d+\.\d+\.\d+", version)
-    return release is not None and release.group(0) in SUPPORTED_DEEPSPEED_VERSIONS
-
-
-def check_deepspeed_version(version: str) -> None:
-    from ds_canzona.config import CanzonaConfigError
-
-    if not deepspeed_version_supported(version):
-        raise CanzonaConfigError(
-            f"the 'canzona' section needs DeepSpeed {SUPPORTED_DEEPSPEED_VERSIONS[0]} to "
-            f"{SUPPORTED_DEEPSPEED_VERSIONS[-1]} (tested: {', '.join(SUPPORTED_DEEPSPEED_VERSIONS)}), found "
-            f"{version}: install one of them (pip install 'deepspeed>={SUPPORTED_DEEPSPEED_VERSIONS[0]},"
-            f"<={SUPPORTED_DEEPSPEED_VERSIONS[-1]}') or remove the 'canzona' section")
 
 
 def _canzona_enabled(engine) -> bool:

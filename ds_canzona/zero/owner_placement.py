@@ -28,7 +28,8 @@ sets on every parameter, so the layout can be changed per parameter without touc
 Nothing else of DeepSpeed's ZeRO-3 changes: the coordinator's trace, prefetch, release, the
 module hooks, ``zero.Init`` itself. The closures' names and signatures were checked against
 DeepSpeed 0.19.0-0.19.8 (``partition_parameters.py``) and the runtime run on each
-(``scripts/compat.sh``); stage 3 is refused on any other version.
+(``scripts/compat.sh``); stage 3 is refused on any other version
+(``ds_canzona.zero.versions.STAGE3_DEEPSPEED_VERSIONS``).
 
 A parameter is converted once, at engine start: DeepSpeed's own fetch gathers its even layout,
 each rank keeps the pieces it owns as its new ``ds_tensor`` (the whole tensor on the owner of an
@@ -47,7 +48,6 @@ import deepspeed.comm as dist
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, free_param
 
 from ds_canzona.zero.comm import CommCounter
-from ds_canzona.zero.hook import SUPPORTED_DEEPSPEED_VERSIONS
 
 # On an owner-placed parameter: its pieces ((start, stop, owner rank in the data-parallel group), ...)
 # in element order; a tensor owned whole is one piece.
@@ -60,26 +60,6 @@ _ORIGINAL_ATTR = "ds_canzona_even_layout"
 PATCHED_PARAM_CLOSURES = ("all_gather", "all_gather_coalesced", "partition", "partition_numel", "padding_size",
                           "aligned_size")
 
-
-# The releases whose ZeRO-3 closures, DeepSpeedZeRoOffload and coordinator this module and
-# ds_canzona.zero.stage3 were read against and tested with: every release the hook accepts, each
-# passing `COMPAT_SUBSET=stage3 scripts/compat.sh` (docs/NOTES.md, "DeepSpeed versions"). A release
-# added to the hook's list needs that run too, or a list of its own here.
-STAGE3_DEEPSPEED_VERSIONS = SUPPORTED_DEEPSPEED_VERSIONS
-
-
-def check_stage3_version(version: str) -> None:
-    """Refuse stage 3 on a DeepSpeed release the owner layout was not checked against."""
-    import re
-
-    from ds_canzona.config import CanzonaConfigError
-
-    release = re.match(r"\d+\.\d+\.\d+", version)
-    if release is None or release.group(0) not in STAGE3_DEEPSPEED_VERSIONS:
-        raise CanzonaConfigError(
-            f"zero_optimization.stage 3 with the 'canzona' section needs DeepSpeed {', '.join(STAGE3_DEEPSPEED_VERSIONS)} "
-            f"(the ZeRO-3 internals it patches were checked there), found {version}: install "
-            f"deepspeed=={STAGE3_DEEPSPEED_VERSIONS[-1]}, or use stage 1 or 2")
 
 
 def is_owner_placed(param) -> bool:
@@ -268,4 +248,4 @@ class OwnerLayout:
         param.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
 
-__all__ = ["LOCAL_PIECES_ATTR", "PIECES_ATTR", "STAGE3_DEEPSPEED_VERSIONS", "check_stage3_version", "PATCHED_PARAM_CLOSURES", "OwnerFetchHandle", "OwnerLayout", "is_owner_placed"]
+__all__ = ["LOCAL_PIECES_ATTR", "PIECES_ATTR", "PATCHED_PARAM_CLOSURES", "OwnerFetchHandle", "OwnerLayout", "is_owner_placed"]

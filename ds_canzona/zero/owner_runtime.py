@@ -33,6 +33,7 @@ from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
 from ds_canzona.plan import CostModel
 from ds_canzona.zero.comm import CommCounter, all_reduce_sum
 from ds_canzona.zero.owned import OwnedTensor, parameter_groups
+from ds_canzona.zero.pricing import plan_cost_model
 from ds_canzona.zero.reduction import gradient_reduction
 
 
@@ -90,7 +91,7 @@ class OwnerRuntime(ZeROOptimizer):
         self.dynamic_loss_scale = self.loss_scaler.dynamic
 
     def _plan_cost_model(self) -> CostModel:
-        from ds_canzona.zero.build import plan_cost_model  # each matrix priced by its own group's rule
+        # Each matrix priced by its own group's rule.
         return plan_cost_model(self.config, self.names, self.groups, get_accelerator().device_name())
 
     def _print_plan_summary(self) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from ds_canzona.config import MATRIX_OPTIMIZERS, CanzonaConfigError
+from ds_canzona.zero.versions import check_stage3_version
 
 _REMOVE = "or remove the 'canzona' section to use DeepSpeed's own optimizer"
 
@@ -90,7 +91,6 @@ def _check_stage3(engine) -> None:
     """Stage 3 (owner placement): DeepSpeed's parameter layout features that would fight it are refused."""
     import deepspeed
 
-    from ds_canzona.zero.owner_placement import check_stage3_version
     offload_param = engine.zero_offload_param()
     if offload_param is not None and getattr(offload_param, "device", "none") not in (None, "none"):
         raise _refuse("zero_optimization.offload_param at stage 3",
