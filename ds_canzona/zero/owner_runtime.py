@@ -20,6 +20,8 @@ averaged fp32 gradients), ``_publish_updates`` (make the updated masters the par
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 import deepspeed.comm as dist
@@ -137,14 +139,17 @@ class OwnerRuntime(ZeROOptimizer):
             if self._counts_in_norm(j):
                 sq_norms[j] = tensor_sq_norm(g)
         all_reduce_sum(sq_norms, group=self.norm_group, counter=self.comm, kind="all_reduce")
-        self.overflow = not bool(torch.isfinite(sq_norms).all())
+        # The step's one host read: the norm, which is non-finite exactly when some gradient
+        # entry overflowed (see ds_canzona.optim.clipping).
+        total_norm, coefficient = clip_coefficient(sq_norms, self.clip_grad)
+        self.overflow = not math.isfinite(total_norm)
         self.loss_scaler.update_scale(self.overflow)
         if self.overflow:
             self._global_grad_norm = float("inf")
             self.zero_grad()
             return None
 
-        self._global_grad_norm, coefficient = clip_coefficient(sq_norms, self.clip_grad)
+        self._global_grad_norm = total_norm
         if coefficient < 1.0:
             for g in grads:
                 g.mul_(coefficient)
