@@ -25,9 +25,9 @@ ds_canzona's:
   ``engine.step`` (timer stop), one each per micro-batch from global step 2 on (its ``start_step``);
   ``"synchronized": false`` removes both (the last scenario).
 - DeepSpeed, first optimizer step only: ZeRO-3's parameter coordinator checks its recorded fetch
-  trace against rank 0's (``deepspeed.runtime.zero.utils``: 185 reads on the second forward of the
-  first step here); AutoTP's first forward broadcasts and compares the inputs
-  (``engine.broadcast_and_check``: 8 reads).
+  trace against rank 0's (``deepspeed.runtime.zero.utils``: 183 reads per rank here); AutoTP's
+  first forward broadcasts the inputs from TP rank 0 and compares them (``engine.broadcast_and_check``:
+  1 read on rank 0, 7 on rank 1).
 - The model: transformers' Qwen3 called without an attention mask looks for packed sequences
   (``masking_utils.find_packed_sequence_indices``): one read per forward.
 

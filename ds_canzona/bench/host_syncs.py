@@ -57,6 +57,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ds_canzona.optim.base import is_step_counter
+
 __all__ = ["HostSync", "HostSyncCounter"]
 
 aten = torch.ops.aten
@@ -174,8 +176,6 @@ class HostSyncCounter:
 
     def counts(self, tensor: torch.Tensor) -> bool:
         """Whether reading ``tensor`` on the host waits for the device."""
-        from ds_canzona.optim.base import is_step_counter
-
         if tensor.device.type != self.device_type:
             return False
         if self._excluded.get(id(tensor)) is tensor:
@@ -226,9 +226,7 @@ class HostSyncCounter:
     def _on_function(self, func, args: tuple, kwargs: dict) -> None:
         """Python-level copies to the host of a CPU tensor: free on a CPU run, a wait on a GPU."""
         name = getattr(func, "__name__", "")
-        if not args or not isinstance(args[0], torch.Tensor) or not self.counts(args[0]):
-            return
-        if name in _HOST_COPY_METHODS:
+        if name in _HOST_COPY_METHODS and args and isinstance(args[0], torch.Tensor) and self.counts(args[0]):
             self._record(f"Tensor.{name}")
 
     # -- explicit waits -----------------------------------------------------------------------

@@ -9,8 +9,9 @@ gradients reach the owner; the rest is here, written once:
   optimizer's parameters, so every rank derives the same order), their dtype, the gradient
   numerics (``GradientReduction``) and the loss scaler;
 - the step: the owned items' averaged fp32 gradients, one all-reduce of per-item squared norms
-  for overflow and clipping, each group's per-tensor rule on what this rank owns, then the
-  subclass publishes the new values;
+  for overflow and clipping and one host read of their total (the step's only host
+  synchronisation), each group's per-tensor rule on what this rank owns, then the subclass
+  publishes the new values;
 - the glue the engine and the checkpoint package call.
 
 A subclass provides ``_step_gradients`` (finish the reductions; the owned items and their
