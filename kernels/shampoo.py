@@ -11,7 +11,8 @@ and torch references.
   / root`` it is ``X' = X Mp`` and ``M' = Mp^root M``. X, M and Mp are polynomials in A, so they are
   symmetric and commute, and every product is symmetric: ``P Q = P Qᵀ``, a symmetric product.
 * ``inverse_root_newton(A, root)``: the iteration, from ``X = z^(1/root) I``, ``M = z A`` with
-  ``z = (root+1) / (2 ||A||_F)``, until ``max |M - I| <= tol`` or it stops improving.
+  ``z = (root+1) / (2 ||A||_F)``, until ``max |M - I| <= tol`` or it stops improving. The stopping
+  test runs on the device; the host reads its flag every ``STOP_CHECK_EVERY`` steps.
 """
 
 from __future__ import annotations
@@ -113,6 +114,12 @@ def coupled_newton_step_reference(x: torch.Tensor, m: torch.Tensor, root: int) -
     return _newton_step(x, m, root, product)
 
 
+# Newton steps between two host reads of the stopping flag. A read waits for the device to finish
+# everything queued, so the iteration reads only every few steps; at most this many minus one
+# steps run past the stopping point, and their results are discarded (docs/KERNELS.md).
+STOP_CHECK_EVERY = 4
+
+
 def _inverse_root(
     a: torch.Tensor,
     root: int,
@@ -131,16 +138,23 @@ def _inverse_root(
     z = (root + 1.0) / (2.0 * torch.linalg.matrix_norm(a, keepdim=True))
     x = z.pow(1.0 / root) * eye
     m = z * a
-    best = float("inf")
-    for _ in range(max_iters):
-        x_new, m_new = step(x, m, root)
-        err = (m_new - eye).abs().amax().item()
-        if not err < best:  # stopped improving (rounding floor) or diverged: keep the last good X
+    # The answer and its error stay on the device. ``running`` turns false at the first step that
+    # does not lower max |M - I| (the rounding floor, or divergence: that step is not kept) or
+    # that reaches ``tol``; from then on ``best`` no longer changes. So the result is, bit for
+    # bit, the iterate a loop reading the error after every step would stop at.
+    best = x
+    best_err = torch.full((), float("inf"), dtype=a.dtype, device=a.device)
+    running = torch.ones((), dtype=torch.bool, device=a.device)
+    for index in range(max_iters):
+        x, m = step(x, m, root)
+        err = (m - eye).abs().amax()
+        improved = running & (err < best_err)
+        best = torch.where(improved, x, best)
+        best_err = torch.where(improved, err, best_err)
+        running = improved & (err > tol)
+        if (index + 1) % STOP_CHECK_EVERY == 0 and not bool(running):
             break
-        x, m, best = x_new, m_new, err
-        if err <= tol:
-            break
-    return x
+    return best
 
 
 def inverse_root_newton(
@@ -156,7 +170,8 @@ def inverse_root_newton(
     """``(a + epsilon I)^(-1/root)`` for a symmetric positive definite matrix or stack, on the kernel.
 
     Stops when ``max |M - I| <= tol`` over the whole stack, after ``max_iters``, or when that
-    error stops decreasing (the rounding floor of the dtype), returning the best iterate.
+    error stops decreasing (the rounding floor of the dtype), returning the best iterate. The host
+    reads whether to stop once every ``STOP_CHECK_EVERY`` steps, not after each one.
     """
 
     def step(x: torch.Tensor, m: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -149,9 +150,22 @@ def state_dtype(param: Tensor) -> torch.dtype:
     return torch.float64 if param.dtype == torch.float64 else torch.float32
 
 
+# Every live step counter, by identity. They are host tensors by design, so a tool that counts
+# the host's reads of device values (ds_canzona.bench.host_syncs) must be able to leave them out
+# on a CPU run, where every tensor lives in the same memory.
+_STEP_COUNTERS: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
+
+
 def new_step() -> Tensor:
     """A fresh step counter: a 0-dim float32 tensor on the CPU, like ``torch.optim``'s."""
-    return torch.zeros((), dtype=torch.float32)
+    step = torch.zeros((), dtype=torch.float32)
+    _STEP_COUNTERS[id(step)] = step
+    return step
+
+
+def is_step_counter(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a step counter made by ``new_step`` (and still alive)."""
+    return _STEP_COUNTERS.get(id(tensor)) is tensor
 
 
 def finite_flags(grads: Sequence[Tensor]) -> list[bool]:

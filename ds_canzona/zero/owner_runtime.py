@@ -9,8 +9,9 @@ gradients reach the owner; the rest is here, written once:
   optimizer's parameters, so every rank derives the same order), their dtype, the gradient
   numerics (``GradientReduction``) and the loss scaler;
 - the step: the owned items' averaged fp32 gradients, one all-reduce of per-item squared norms
-  for overflow and clipping, each group's per-tensor rule on what this rank owns, then the
-  subclass publishes the new values;
+  for overflow and clipping and one host read of their total (the step's only host
+  synchronisation), each group's per-tensor rule on what this rank owns, then the subclass
+  publishes the new values;
 - the glue the engine and the checkpoint package call.
 
 A subclass provides ``_step_gradients`` (finish the reductions; the owned items and their
@@ -19,6 +20,8 @@ averaged fp32 gradients), ``_publish_updates`` (make the updated masters the par
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -137,14 +140,17 @@ class OwnerRuntime(ZeROOptimizer):
             if self._counts_in_norm(j):
                 sq_norms[j] = tensor_sq_norm(g)
         all_reduce_sum(sq_norms, group=self.norm_group, counter=self.comm, kind="all_reduce")
-        self.overflow = not bool(torch.isfinite(sq_norms).all())
+        # The step's one host read: the norm, which is non-finite exactly when some gradient
+        # entry overflowed (see ds_canzona.optim.clipping).
+        total_norm, coefficient = clip_coefficient(sq_norms, self.clip_grad)
+        self.overflow = not math.isfinite(total_norm)
         self.loss_scaler.update_scale(self.overflow)
         if self.overflow:
             self._global_grad_norm = float("inf")
             self.zero_grad()
             return None
 
-        self._global_grad_norm, coefficient = clip_coefficient(sq_norms, self.clip_grad)
+        self._global_grad_norm = total_norm
         if coefficient < 1.0:
             for g in grads:
                 g.mul_(coefficient)
