@@ -223,8 +223,13 @@ main() {
     run_phase install 240 install_phase
 
     run_phase validate 180 "$PYTHON" -m ds_canzona.bench gpu-check validate $DRY_FLAG --out "$OUT"
+    # The engine phase skips its remaining cases once its budget is spent: 180 s, or less when the
+    # run is late, so that the case in progress has a minute to finish within the run's budget.
+    local engine_budget=$(($(remaining) - 60))
+    ((engine_budget > 180)) && engine_budget=180
+    ((engine_budget < 30)) && engine_budget=30
     run_phase engine 240 "$PYTHON" -m ds_canzona.bench gpu-check engine $DRY_FLAG --out "$OUT" \
-        ${GPU_SESSION_LAYERS:+--layers "$GPU_SESSION_LAYERS"}
+        --budget-s "$engine_budget" ${GPU_SESSION_LAYERS:+--layers "$GPU_SESSION_LAYERS"}
     run_phase ns-time 90 "$PYTHON" -m ds_canzona.bench gpu-check ns-time $DRY_FLAG --out "$OUT"
     if [[ $DRY == 1 ]]; then
         run_phase calibrate 60 "$PYTHON" -m ds_canzona.bench calibrate --matrix 64 --vector 4096 --repeats 1 \

@@ -55,6 +55,7 @@ def test_dry_run_passes_every_phase(dry_run) -> None:
     for phase in ("install", "validate", "engine", "ns-time", "calibrate", "sweep"):
         assert f"PASS    {phase} " in summary, summary
     assert "gpu_session: all phases passed" in summary
+    assert "a process per dtype, 2 at a time" in log  # the validation's worker path, as on a GPU
     assert (out / "session.log").read_text(encoding="utf-8").strip() == result.stdout.strip()
 
 
@@ -110,10 +111,11 @@ def test_dry_run_times_newton_schulz_and_calibrates(dry_run) -> None:
 
 
 def test_a_failing_phase_fails_the_run(tmp_path) -> None:
-    # An invalid backend name is an import-time error of the kernels: the validate phase fails.
-    result = _session(tmp_path, timeout=120, GPU_SESSION_PHASES="validate", DS_CANZONA_KERNELS="bogus")
+    # An invalid backend name is an import-time error of the kernels: the ns-time phase (the
+    # cheapest that imports them) fails, and with it the run.
+    result = _session(tmp_path, timeout=120, GPU_SESSION_PHASES="ns-time", DS_CANZONA_KERNELS="bogus")
     assert result.returncode != 0
-    assert "FAIL    validate " in result.stdout and "gpu_session: FAILED" in result.stdout, result.stdout[-3000:]
+    assert "FAIL    ns-time " in result.stdout and "gpu_session: FAILED" in result.stdout, result.stdout[-3000:]
 
 
 # --------------------------------------------------------------------------- judging, in-process
@@ -226,3 +228,27 @@ def test_gpu_model_is_qwen3_0_6b_shaped() -> None:
             config["tie_word_embeddings"]) == (1024, 28, 16, 8, 128, 3072, 151936, True)
     shapes = {(m, n) for _, m, n in gpu_engine.matrix_shapes(gpu_engine.EngineSettings.for_run(dry=False))}
     assert shapes == {(2048, 1024), (1024, 1024), (1024, 2048), (3072, 1024), (1024, 3072)}
+
+
+def test_sync_count_counts_cuda_sync_warnings_and_passes_the_others_on(monkeypatch) -> None:
+    # No CUDA here: torch.cuda's switch is stood in for, and the region emits the warning that
+    # torch.cuda.set_sync_debug_mode("warn") makes every synchronising call emit.
+    import warnings
+
+    from ds_canzona.bench import gpu_syncs
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    with warnings.catch_warnings(record=True) as outside:
+        warnings.simplefilter("always")
+        with gpu_syncs.SyncCount(cuda=True) as count:
+            for _ in range(3):
+                warnings.warn("called a synchronizing CUDA operation", UserWarning)
+            warnings.warn("something else", FutureWarning)
+    assert modes == ["warn", 0]  # switched on for the region, then back
+    assert count.cuda == 3 and sum(n for site, n in count.sites.items() if site.startswith("cuda: ")) == 3
+    assert [str(w.message) for w in outside] == ["something else"]
+    if not gpu_syncs.HOST_COUNTER_AVAILABLE:
+        assert count.host is None

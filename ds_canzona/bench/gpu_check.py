@@ -75,6 +75,7 @@ def environment() -> dict[str, Any]:
         "deepspeed": _version("deepspeed"),
         "transformers": _version("transformers"),
         "commit": os.environ.get("GPU_SESSION_COMMIT", "unknown"),
+        "package": str(Path(__file__).resolve().parent.parent),  # which checkout's code runs
         "triton_interpret": os.environ.get("TRITON_INTERPRET", ""),
     }
     if torch.cuda.is_available():

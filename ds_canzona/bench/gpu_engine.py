@@ -181,22 +181,25 @@ def run_engine_case(stage: int, optimizer: str, settings: EngineSettings) -> dic
     on_cuda = device.type == "cuda"
     started = time.perf_counter()
     model = _build_model(settings, device)
-    engine, *_ = deepspeed.initialize(model=model, config=ds_config(stage, optimizer, settings))
-    build_s = time.perf_counter() - started
-    vocab = model.config.vocab_size
-    tokens = torch.randint(0, vocab, (settings.micro_batch, settings.seq),
-                           generator=torch.Generator().manual_seed(stage * 10 + len(optimizer))).to(device)
-    if on_cuda:
-        accelerator.reset_peak_memory_stats()
-    records = [_timed_step(engine, tokens, accelerator.synchronize, on_cuda)
-               for _ in range(settings.warmup + settings.steps)]
-    peak = accelerator.max_memory_allocated() if on_cuda else None
-    if hasattr(engine, "destroy"):
-        engine.destroy()
-    del engine, model
-    gc.collect()
-    if on_cuda:
-        accelerator.empty_cache()
+    engine = None
+    try:
+        engine, *_ = deepspeed.initialize(model=model, config=ds_config(stage, optimizer, settings))
+        build_s = time.perf_counter() - started
+        vocab = model.config.vocab_size
+        tokens = torch.randint(0, vocab, (settings.micro_batch, settings.seq),
+                               generator=torch.Generator().manual_seed(stage * 10 + len(optimizer))).to(device)
+        if on_cuda:
+            accelerator.reset_peak_memory_stats()
+        records = [_timed_step(engine, tokens, accelerator.synchronize, on_cuda)
+                   for _ in range(settings.warmup + settings.steps)]
+        peak = accelerator.max_memory_allocated() if on_cuda else None
+    finally:  # also after a failure: the next case needs the memory
+        if engine is not None and hasattr(engine, "destroy"):
+            engine.destroy()
+        del engine, model
+        gc.collect()
+        if on_cuda:
+            accelerator.empty_cache()
     return _summarise(stage, optimizer, settings, records, build_s, peak)
 
 
@@ -208,6 +211,8 @@ def _summarise(stage: int, optimizer: str, settings: EngineSettings, records: li
                            "peak_memory_gib": None if peak_bytes is None else peak_bytes / 2**30}
     for phase in PHASES:
         row[f"{phase}_ms"] = statistics.median(r[f"{phase}_s"] for r in timed) * 1e3
+        # Every step's, warm-up included (compilation, Shampoo's first inverse roots).
+        row[f"{phase}_ms_each"] = [r[f"{phase}_s"] * 1e3 for r in records]
     for counter in ("host", "cuda"):
         per_step = [sum(r["syncs"][p][counter] for p in PHASES) for r in timed
                     if r["syncs"]["step"][counter] is not None]

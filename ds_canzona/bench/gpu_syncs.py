@@ -65,6 +65,9 @@ class SyncCount:
             syncs = [w for w in self._caught if _CUDA_SYNC_WARNING in str(w.message)]
             self.cuda = len(syncs)
             self.sites.update(f"cuda: {_short(w.filename)}:{w.lineno}" for w in syncs)
+            for w in self._caught:  # the region's other warnings, as if nothing had caught them
+                if _CUDA_SYNC_WARNING not in str(w.message):
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
         if self._host is not None:
             self._host.__exit__(*exc)
             self.host = int(self._host.count)
