@@ -3,7 +3,7 @@
 scripts/gpu_session.sh runs each phase in its own process (a compile error or a poisoned CUDA
 context in one cannot stop the next):
 
-* ``env``: the versions, the device and the commit, as one JSON line and a few text lines;
+* ``env``: the versions, the device, the commit and which checkout's code runs, as one JSON line;
 * ``validate``: every kernel through its public function against float64 (``gpu_validate``),
   with the backend forced to ``triton``, then under ``default``; the text of
   ``kernels.backend_report()`` when the kernels provide one;
@@ -24,6 +24,7 @@ import platform
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -217,9 +218,8 @@ def _run_engine(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     device = _device(args.dry_run)
     settings = gpu_engine.EngineSettings.for_run(dry=args.dry_run, layers=args.layers, budget_s=args.budget_s)
-    full_layers = 28
-    depth = ("" if args.dry_run or settings.layers == full_layers
-             else f" (FEWER LAYERS than the 0.6B model's {full_layers})")
+    depth = ("" if args.dry_run or settings.layers == gpu_engine.FULL_LAYERS
+             else f" (FEWER LAYERS than the 0.6B model's {gpu_engine.FULL_LAYERS})")
     _print(f"engine: Qwen3-0.6B-shaped{' (dry run: cut down)' if args.dry_run else ''}, {settings.layers} layers"
            f"{depth}, bf16, micro-batch {settings.micro_batch} x {settings.seq} tokens, DP=1 on {device}; "
            f"{settings.warmup} warm-up + {settings.steps} timed steps per case")
@@ -231,7 +231,7 @@ def _run_engine(args: argparse.Namespace) -> int:
                 _print(f"  sync ZeRO-{row['stage']} {row['optimizer']} {phase}: {count} x {site}")
     report = _backend_report()
     _print("backend report:\n" + report if report else "backend report: kernels.backend_report() not available")
-    payload = {"env": environment(), "settings": gpu_engine.settings_dict(settings),
+    payload = {"env": environment(), "settings": asdict(settings),
                "model_config": gpu_engine.model_config(settings), "rows": rows, "backend_report": report}
     return _result("engine", rows, time.perf_counter() - started, _write(Path(args.out), "engine", payload))
 

@@ -6,9 +6,11 @@ from its config (``ds_canzona/data/qwen3/qwen3-0.6b.json``; random weights, no d
 random token batch repeated every step, so a working optimizer makes the loss fall. Each step is
 timed per phase (forward, backward, ``engine.step()``) with the accelerator synchronised between
 phases, and the host synchronisations of each phase are counted (``gpu_syncs``) outside those
-waits. The first ``warmup`` steps are not timed (Triton compiles, allocations, Shampoo's first
-inverse roots). A case fails when it raises or its loss is not finite; each case is its own
-try/except. Cases left when the time budget is spent are listed as skipped, not run.
+waits. The first ``warmup`` steps are left out of the medians (Triton compiles, allocations,
+Shampoo's first inverse roots; every step's times are kept too). A case fails when it raises or
+its loss is not finite; each case is its own try/except. Cases left when the time budget is spent
+are listed as skipped, not run; the order (``CASE_ORDER``) puts every stage and every optimizer in
+the first three.
 
 ``time_newton_schulz``: Muon's ``orthogonalize`` at the model's matrix shapes, ``ns_method`` gram
 (fp16) and standard (bf16) as Muon's CUDA defaults, with the kernels backend ``triton`` against
@@ -27,7 +29,7 @@ import statistics
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
@@ -37,6 +39,7 @@ from .gpu_syncs import HOST_COUNTER_AVAILABLE, SyncCount
 
 __all__ = ["EngineSettings", "model_config", "run_engines", "time_newton_schulz"]
 
+FULL_LAYERS = 28  # ds_canzona/data/qwen3/qwen3-0.6b.json's num_hidden_layers
 STAGES = (1, 2, 3)
 OPTIMIZERS = ("muon", "shampoo", "soap")
 # A Latin square: the first three cases already cover every stage and every optimizer, so a time
@@ -66,7 +69,7 @@ class EngineSettings:
         if dry:
             return cls(dry=True, layers=layers or 2, micro_batch=2, seq=16, warmup=1, steps=2,
                        budget_s=budget_s or 120.0)
-        return cls(dry=False, layers=layers or 28, micro_batch=4, seq=512, warmup=2, steps=3,
+        return cls(dry=False, layers=layers or FULL_LAYERS, micro_batch=4, seq=512, warmup=2, steps=3,
                    budget_s=budget_s or 180.0)
 
 
@@ -353,6 +356,3 @@ def format_ns_row(row: dict[str, Any]) -> str:
     return (f"ok   {head} triton {row['triton_ms']:9.3f} ms  torch {row['torch_ms']:9.3f} ms  "
             f"x{row['speedup']:5.2f}  err vs fp64: triton {row['triton_err']:.2e} torch {row['torch_err']:.2e}")
 
-
-def settings_dict(settings: EngineSettings) -> dict[str, Any]:
-    return asdict(settings)
