@@ -222,7 +222,7 @@ def _run_engine(args: argparse.Namespace) -> int:
              else f" (FEWER LAYERS than the 0.6B model's {gpu_engine.FULL_LAYERS})")
     _print(f"engine: Qwen3-0.6B-shaped{' (dry run: cut down)' if args.dry_run else ''}, {settings.layers} layers"
            f"{depth}, bf16, micro-batch {settings.micro_batch} x {settings.seq} tokens, DP=1 on {device}; "
-           f"{settings.warmup} warm-up + {settings.steps} timed steps per case")
+           f"{settings.warmup} warm-up + {settings.steps} timed steps + 1 step counting host syncs per case")
     rows = gpu_engine.run_engines(settings, dist_backend="gloo" if device == "cpu" else "nccl",
                                   report=lambda row: _print(gpu_engine.format_engine_row(row)))
     for row in rows:
