@@ -256,3 +256,28 @@ def test_sync_count_counts_cuda_sync_warnings_and_passes_the_others_on(monkeypat
     assert [str(w.message) for w in outside] == ["something else"]
     if not gpu_syncs.HOST_COUNTER_AVAILABLE:
         assert count.host is None
+
+
+def test_newton_schulz_timing_flags_a_kernel_less_accurate_than_torch(monkeypatch) -> None:
+    import ds_canzona.kernels as K
+
+    honest_xxt, honest_step = K.xxt, K.ns_step
+    generator = torch.Generator().manual_seed(0)
+
+    def noisy(result: torch.Tensor) -> torch.Tensor:  # 5% of the largest element: far above 16-bit rounding
+        noise = torch.randn(result.shape, generator=generator).to(result.dtype)
+        return result + 0.05 * result.abs().amax() * noise
+
+    # Under "triton" (the kernels are not interpreted in this process) the references, made noisy.
+    def xxt(x, *, out=None, config=None):
+        return noisy(K.xxt_reference(x)) if K.get_backend() == "triton" else honest_xxt(x, out=out)
+
+    def ns_step(x, a, b, c, *, out=None, config=None):
+        if K.get_backend() == "triton":
+            return noisy(K.ns_step_reference(x, a, b, c))
+        return honest_step(x, a, b, c, out=out)
+
+    monkeypatch.setattr(K, "xxt", xxt)
+    monkeypatch.setattr(K, "ns_step", ns_step)
+    rows = gpu_engine.time_newton_schulz(gpu_engine.EngineSettings.for_run(dry=True), device="cpu", repeats=1)
+    assert rows and all("speedup" in r and not r["passed"] and "triton's error" in r["reason"] for r in rows), rows
