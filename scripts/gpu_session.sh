@@ -17,7 +17,7 @@
 # not stop the next. The exit status is non-zero when any phase failed, missed or timed out.
 #
 # Environment:
-#   OUT                   results folder (default gpu_out)
+#   OUT                   results folder (default gpu_out in the checkout)
 #   PYTHON                interpreter (default /opt/torch/.venv/bin/python3 if present, else python3)
 #   GPU_SESSION_DRY_RUN=1 the same phases on the CPU: TRITON_INTERPRET=1, tiny shapes, a 2-layer
 #                         model on gloo; installs nothing and needs no network (CI runs it:
@@ -37,9 +37,9 @@
 set -uo pipefail  # not -e: a failing phase is recorded and the next one runs
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$REPO" || exit 2
-OUT=${OUT:-gpu_out}
+OUT=${OUT:-$REPO/gpu_out}  # a relative OUT is taken from where the script is started
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 2
+cd "$REPO" || exit 2
 DRY=${GPU_SESSION_DRY_RUN:-0}
 BUDGET=${GPU_SESSION_BUDGET_S:-450}
 PHASES=${GPU_SESSION_PHASES:-install,validate,engine,ns-time,calibrate,sweep}
@@ -51,8 +51,9 @@ WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_session.XXXXXX") || exit 2
 trap 'rm -rf "$WORK"' EXIT
 START=$SECONDS
 
-export OUT PYTHONUNBUFFERED=1 PYTHONPYCACHEPREFIX="$WORK/pycache"
-export TRITON_CACHE_DIR="$WORK/triton" TORCHINDUCTOR_CACHE_DIR="$WORK/inductor"
+mkdir -p "$WORK/cwd" "$WORK/logs" "$WORK/cache"
+export OUT PYTHONUNBUFFERED=1 PYTHONPYCACHEPREFIX="$WORK/cache/pycache"
+export TRITON_CACHE_DIR="$WORK/cache/triton" TORCHINDUCTOR_CACHE_DIR="$WORK/cache/inductor"
 export DS_BUILD_OPS=0  # DeepSpeed, if built here, builds no ops (ds_canzona needs none of them)
 if [[ $DRY == 1 ]]; then
     # The CPU even where a GPU is visible: DeepSpeed's CPU accelerator, gloo, Triton's interpreter.
@@ -74,6 +75,11 @@ done
 ln -s "$REPO/kernels" "$SITE/ds_canzona/kernels"
 DEPS="$WORK/deps"  # where the install phase puts missing packages (on the path from the start: phases are subshells)
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}:$DEPS"
+# Python puts its working directory first on sys.path. From the checkout's root that would import
+# ds_canzona from the tree, where ds_canzona.kernels does not exist (setup.py maps it), and offer
+# kernels/ as a top-level `kernels` package, which transformers takes for HuggingFace's. So every
+# phase runs in an empty directory of its own.
+cd "$WORK/cwd" || exit 2
 
 # --------------------------------------------------------------------------- helpers
 
@@ -86,7 +92,7 @@ remaining() { echo $((BUDGET - (SECONDS - START))); }
 # run_phase NAME CAP_SECONDS COMMAND...: the command under min(CAP, time left), its verdict and its
 # RESULT lines recorded. A shell function runs without the limit (its own commands carry timeouts).
 run_phase() {
-    local name=$1 cap=$2 left limit started rc verdict log="$WORK/$1.log" line
+    local name=$1 cap=$2 left limit started rc verdict log="$WORK/logs/$1.log" line
     shift 2
     wanted "$name" || return 0
     left=$(remaining)
@@ -112,8 +118,8 @@ run_phase() {
 
 source_digest() {
     # The tracked sources' content, so the run names the code exactly even without git.
-    find ds_canzona kernels scripts -type f \( -name '*.py' -o -name '*.sh' -o -name '*.json' \) \
-        -not -path '*/__pycache__/*' | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16
+    (cd "$REPO" && find ds_canzona kernels scripts -type f \( -name '*.py' -o -name '*.sh' -o -name '*.json' \) \
+        -not -path '*/__pycache__/*' | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16)
 }
 
 commit() {

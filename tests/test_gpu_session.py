@@ -79,7 +79,12 @@ def test_dry_run_validates_every_case_on_both_backends(dry_run) -> None:
             assert row["passed"], row
             assert row["err"] <= row["bound_u"] * gpu_validate.UNIT_ROUNDOFF[
                 "float32" if row["op"] == "sym_stat_update_" and row["variant"] != "stat16" else row["dtype"]]
-    assert payload["env"]["triton_interpret"] == "1"
+    env = payload["env"]
+    assert env["triton_interpret"] == "1"
+    # The code of this checkout, imported through the session's temporary package view (from the
+    # tree itself ds_canzona.kernels would not resolve: setup.py maps it).
+    assert Path(env["package"]) == REPO / "ds_canzona"
+    assert "gpu_session." in env["imported_from"] and not env["imported_from"].startswith(str(REPO))
 
 
 def test_dry_run_trains_every_stage_and_optimizer(dry_run) -> None:

@@ -76,7 +76,9 @@ def environment() -> dict[str, Any]:
         "deepspeed": _version("deepspeed"),
         "transformers": _version("transformers"),
         "commit": os.environ.get("GPU_SESSION_COMMIT", "unknown"),
-        "package": str(Path(__file__).resolve().parent.parent),  # which checkout's code runs
+        # Which checkout's code runs, and the path it was imported by (the session's package view).
+        "package": str(Path(__file__).resolve().parent.parent),
+        "imported_from": str(Path(__file__).parent.parent),
         "triton_interpret": os.environ.get("TRITON_INTERPRET", ""),
     }
     if torch.cuda.is_available():
