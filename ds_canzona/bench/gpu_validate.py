@@ -13,9 +13,9 @@ the same, already rounded, inputs. The torch reference of the same function in t
 * ``max_err <= K_MAX * torch_max_err + u``, both the largest elementwise error over the largest
   oracle element: one wrong element (a tail off by one) that the norm would average away over a
   large output is still seen;
-* every output element is finite (outputs are poisoned with NaN first, so an element never written shows),
-  and symmetric outputs are symmetric bit for bit (the statistic update's only on the kernel: its
-  torch reference makes no such promise).
+* every output element is finite (outputs are poisoned with NaN first, so an element never
+  written shows), and symmetric outputs are symmetric bit for bit (the statistic update's only on
+  the kernel: its torch reference makes no such promise).
 
 The cases run twice: with the backend forced to ``triton`` (a kernel that cannot compile or take
 the input raises, so a miss is seen rather than hidden by a fallback) and with ``default`` (what a
@@ -105,7 +105,7 @@ _GPU_CASES: tuple[tuple[str, tuple[int, ...], str], ...] = (
     ("xxt", (77, 200), ""),
     ("xxt", (1030, 515), ""),
     ("xxt", (300, 1100), ""),
-    ("xxt", (250, 130), "transposed"),
+    ("xxt", (2, 250, 130), "transposed"),  # a strided stack
     ("xxt", (3, 130, 257), ""),
     ("ns_step", (200, 333), ""),
     ("ns_step", (1100, 260), ""),
@@ -126,7 +126,7 @@ _GPU_CASES: tuple[tuple[str, tuple[int, ...], str], ...] = (
 )
 _DRY_CASES: tuple[tuple[str, tuple[int, ...], str], ...] = (
     ("xxt", (20, 33), ""),
-    ("xxt", (150, 70), "transposed"),
+    ("xxt", (2, 150, 70), "transposed"),
     ("xxt", (2, 130, 40), ""),
     ("ns_step", (40, 70), ""),
     ("ns_step", (2, 140, 30), ""),
