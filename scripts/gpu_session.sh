@@ -32,8 +32,8 @@
 # they are installed here into a temporary folder when an import is missing. Without gpu_wheels/
 # the package registry is tried (pip, short timeouts). ds_canzona itself is not installed: a
 # temporary package view (symlinks to ds_canzona/ and kernels/, as setup.py maps them) goes first on
-# PYTHONPATH, and bytecode goes to the temporary folder, so the run writes nothing in the tree
-# outside $OUT.
+# PYTHONPATH, the phases run in an empty temporary directory (see below), and bytecode and the
+# Triton cache go to the temporary folder, so the run writes nothing in the tree outside $OUT.
 set -uo pipefail  # not -e: a failing phase is recorded and the next one runs
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
