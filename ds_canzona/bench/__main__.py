@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tp-step": ("ds_canzona.bench.tp_step:TP_STEP", "optimizer steps under AutoTP: micro-groups vs synchronous vs DeepSpeed"),
     "makespan": ("ds_canzona.bench.makespan:MAKESPAN", "optimizer-step makespan at DP 16-128, real per-tensor compute"),
     "zero3-memory": ("ds_canzona.bench.memory3:ZERO3_MEMORY", "memory per rank at ZeRO-3 vs DeepSpeed's ZeRO-3 Muon"),
+    "gpu-check": ("ds_canzona.bench.gpu_check:GPU_CHECK", "the GPU session's phases: kernels vs float64, engine steps, NS timings"),
     "calibrate": ("ds_canzona.bench.calibrate:CALIBRATE", "measure this device's machine balance for the roofline cost"),
 }
 
