@@ -115,22 +115,21 @@ def shape_class(op: str, tensors: Sequence[torch.Tensor], config: TileConfig | N
         kind, strides16 = _layout(t)
         parts.append((
             t.dtype, t.ndim > 2, rows % 16 == 0, cols % 16 == 0, rows >= 1024, cols >= 1024,
-            kind, strides16, t.data_ptr() % 16 == 0,
+            "wide" if rows < cols else "square" if rows == cols else "tall", kind, strides16, t.data_ptr() % 16 == 0,
         ))
-    first = tensors[0]
-    rows, cols = first.shape[-2:]
-    orientation = "wide" if rows < cols else "square" if rows == cols else "tall"
-    kind, _ = _layout(first)
-    text = (f"{', '.join(str(t.dtype).removeprefix('torch.') for t in tensors)} "
-            f"{list(first.shape)} {orientation} {kind}"
-            + (f" {_tails(rows, cols)}" if rows % 16 or cols % 16 else "")
-            + ("" if all(p[-1] for p in parts) else " unaligned")
-            + (f" tiles {config.block_m}x{config.block_n}x{config.block_k}" if config else ""))
+    described: list[str] = []
+    for t, part in zip(tensors, parts):
+        described.append(f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)} {part[7]}"
+                         + (f" ({_tails(*t.shape[-2:])})" if part[2] is False or part[3] is False else "")
+                         + ("" if part[9] else " unaligned"))
+    counts = {d: described.count(d) for d in dict.fromkeys(described)}  # first appearance order
+    text = ", ".join(d if n == 1 else f"{n} x {d}" for d, n in counts.items())
+    text += f", tiles {config.block_m}x{config.block_n}x{config.block_k}" if config else ""
     return ShapeClass(key=(op, tuple(parts), config), text=text)
 
 
 def _tails(rows: int, cols: int) -> str:
-    return "tails " + ", ".join(f"{name} % 16 = {size % 16}" for name, size in (("rows", rows), ("cols", cols)) if size % 16)
+    return ", ".join(f"{name} % 16 = {size % 16}" for name, size in (("rows", rows), ("cols", cols)) if size % 16)
 
 
 # --- the state of every operation (one process) ------------------------------------------------

@@ -183,11 +183,13 @@ def test_shape_classes_separate_what_triton_specialises_on():
         torch.zeros(40, 144)[:, ::2],  # strided
         torch.zeros(40 * 72 + 1)[1:].view(40, 72),  # not 16-byte aligned
         torch.zeros(1040, 72),  # default_config's large regime
+        torch.zeros(72, 40),  # tall
     ]
     keys = {key(t) for t in others} | {key(base), key(base, K.TileConfig(block_m=64, block_n=64))}
     assert len(keys) == len(others) + 2
-    text = validation.shape_class("xxt", [torch.zeros(40, 72)], None).text
-    assert "float32" in text and "[40, 72]" in text and "tails" in text
+    text = validation.shape_class("sym_stat_update_", [torch.zeros(40, 40), torch.zeros(72, 40).mT], None).text
+    assert text == "float32 [40, 40] row-major (rows % 16 = 8, cols % 16 = 8), float32 [40, 72] column-major (rows % 16 = 8, cols % 16 = 8)"
+    assert key(torch.zeros(72, 40)) != key(torch.zeros(40, 72)), "tall and wide: ns_step steps a tall X transposed"
 
 
 def test_an_input_that_cannot_decide_is_not_trusted(stand_in_cuda, monkeypatch):
