@@ -202,7 +202,8 @@ def _judge(op: str, got: Any, want: Any, expected: Any) -> str | None:
             what = f"{tuple(g.shape)} {g.dtype}" if isinstance(g, torch.Tensor) else type(g).__name__
             return f"returned {what}, the reference {tuple(w.shape)} {w.dtype}"
         # one host read for the whole verdict of this tensor
-        kernel_dist, torch_dist, scale = torch.stack([(g.double() - e).norm(), (w.double() - e).norm(), e.norm()]).tolist()
+        distances = torch.stack([(g.double() - e).norm(), (w.double() - e).norm(), e.norm()])
+        kernel_dist, torch_dist, scale = distances.tolist()
         torch_err = torch_dist / scale if 0.0 < scale < float("inf") else float("nan")
         if not torch_err <= INCONCLUSIVE_TORCH_ERROR:
             raise _Inconclusive(f"float64 result norm {scale:.3g}, torch reference error {torch_err:.3g}")
@@ -326,6 +327,8 @@ def backend_report(backend: str) -> str:
         lines.append(f"  {op}: {status['backend']}")
         for (implementation, reason), calls in status["routes"].items():
             lines.append(f"    {implementation}: {reason} ({calls} call{'s' if calls != 1 else ''})")
+        if status["fallback"]:
+            lines.append(f"    on torch for the rest of the process: {status['fallback']}")
         lines += [f"    passed its first-use check: {text}" for text in status["validated"]]
         lines += [f"    torch for {text}" for text in status["gave_up"]]
     return "\n".join(lines)

@@ -119,7 +119,8 @@ for _i, _cfg in enumerate(bench._sweep_configs()):
     _shape = (1024, 1024)
     if _square:
         CALLS.append((f"sweep{_i}-xxt", lambda c=_cfg: syrk.syrk(_x(_shape, BF16), config=c)))
-        CALLS.append((f"sweep{_i}-stat", lambda c=_cfg: shampoo.sym_stat_update_(_stat(_x(_shape, BF16)), _x(_shape, BF16), 0.95, config=c)))
+        CALLS.append((f"sweep{_i}-stat", lambda c=_cfg: shampoo.sym_stat_update_(
+            _stat(_x(_shape, BF16)), _x(_shape, BF16), 0.95, config=c)))
     CALLS.append((f"sweep{_i}-ns_step", lambda c=_cfg: newton_schulz.ns_step(_x(_shape, BF16), *COEFFS, config=c)))
 
 
@@ -208,7 +209,8 @@ def compiled(request) -> dict[tuple, tuple[list[str], dict]]:
     t0 = time.perf_counter()
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         results = dict(zip(variants, pool.map(_compile_one, variants)))
-    request.config.stash[_SUMMARY] = f"{len(variants)} variants compiled in {time.perf_counter() - t0:.0f} s ({workers} processes)"
+    seconds = time.perf_counter() - t0
+    request.config.stash[_SUMMARY] = f"{len(variants)} variants compiled in {seconds:.0f} s ({workers} processes)"
     if any("ptxas" in (r["error"] or "") and "not found" in (r["error"] or "").lower() for r in results.values()):
         pytest.skip("no ptxas in this Triton install")
     return {v: (variants[v], results[v]) for v in variants}

@@ -93,7 +93,7 @@ def _warnings(caplog) -> list[str]:
 def test_a_faulty_kernel_falls_back_with_one_warning(stand_in_cuda, monkeypatch, caplog, faulty):
     calls = _inject(monkeypatch, faulty)
     gen = torch.Generator().manual_seed(0)
-    inputs = [torch.randn(40, 72, generator=gen), torch.randn(3, 40, 72, generator=gen), torch.randn(64, 16, generator=gen)]
+    inputs = [torch.randn(shape, generator=gen) for shape in ((40, 72), (3, 40, 72), (64, 16))]
     with caplog.at_level(logging.INFO, logger="ds_canzona.kernels"):
         for x in inputs:
             assert torch.equal(K.xxt(x), syrk_reference(x))
@@ -129,7 +129,8 @@ def test_in_place_arguments_hold_the_reference_result_after_a_miss(stand_in_cuda
 
     x = torch.randn(2, 20, 36, generator=gen) / 30
     out = torch.full((2, 20, 36), float("nan"))
-    assert K.ns_step(x, 3.4445, -4.775, 2.0315, out=out) is out and torch.equal(out, ns_step_reference(x, 3.4445, -4.775, 2.0315))
+    coeffs = (3.4445, -4.775, 2.0315)
+    assert K.ns_step(x, *coeffs, out=out) is out and torch.equal(out, ns_step_reference(x, *coeffs))
 
     xm, mm = torch.eye(16) * 0.7, torch.eye(16) * 0.9
     got = K.coupled_newton_step(xm, mm, 4)
@@ -188,7 +189,8 @@ def test_shape_classes_separate_what_triton_specialises_on():
     keys = {key(t) for t in others} | {key(base), key(base, K.TileConfig(block_m=64, block_n=64))}
     assert len(keys) == len(others) + 2
     text = validation.shape_class("sym_stat_update_", [torch.zeros(40, 40), torch.zeros(72, 40).mT], None).text
-    assert text == "float32 [40, 40] row-major (rows % 16 = 8, cols % 16 = 8), float32 [40, 72] column-major (rows % 16 = 8, cols % 16 = 8)"
+    assert text == ("float32 [40, 40] row-major (rows % 16 = 8, cols % 16 = 8), "
+                    "float32 [40, 72] column-major (rows % 16 = 8, cols % 16 = 8)")
     assert key(torch.zeros(72, 40)) != key(torch.zeros(40, 72)), "tall and wide: ns_step steps a tall X transposed"
 
 
