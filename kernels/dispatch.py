@@ -153,8 +153,10 @@ def _log_once(op: str, implementation: str, reason: str) -> None:
 
 
 def choose(op: str, kernel: object, *tensors: torch.Tensor, square: int | None = None) -> bool:
-    """True when ``op`` on ``tensors`` goes to the Triton ``kernel`` (under ``default``: once checked),
-    False for the torch reference.
+    """True when ``op`` on ``tensors`` goes to the Triton ``kernel``, False for the torch reference.
+
+    Under ``default`` on CUDA, True means "Triton, subject to the first-use check": ``run`` makes
+    that check (and may still fall back); ``choose`` only routes.
 
     ``square``: the size of a square result the kernel will allocate (xxt's m x m output).
     Raises ValueError when the backend is ``'triton'`` and the kernel cannot take the inputs.

@@ -64,8 +64,6 @@ OPERATIONS = ("xxt", "sym_matmul", "ns_step", "sym_stat_update_", "coupled_newto
 
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 
-_HALF = (torch.float16, torch.bfloat16)
-
 # Relative Frobenius error against float64, in units of the output dtype's unit roundoff
 # (docs/KERNELS.md, "Tests and tolerances", where each is derived and measured).
 BOUND_U: dict[str, dict[torch.dtype, float]] = {
