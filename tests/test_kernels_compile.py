@@ -205,10 +205,15 @@ def compiled(request) -> dict[tuple, tuple[list[str], dict]]:
     finally:
         monkeypatch.undo()
     workers = max(1, min(4, os.cpu_count() or 1))
-    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset; 1 is its default
+    fusion = os.environ.get("TRITON_DEFAULT_FP_FUSION")
+    os.environ["TRITON_DEFAULT_FP_FUSION"] = fusion or "1"  # the workers' Triton 3.9 warns when unset; 1 is its default
     t0 = time.perf_counter()
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        results = dict(zip(variants, pool.map(_compile_one, variants)))
+    try:
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results = dict(zip(variants, pool.map(_compile_one, variants)))
+    finally:
+        if fusion is None:
+            del os.environ["TRITON_DEFAULT_FP_FUSION"]
     seconds = time.perf_counter() - t0
     request.config.stash[_SUMMARY] = f"{len(variants)} variants compiled in {seconds:.0f} s ({workers} processes)"
     if any("ptxas" in (r["error"] or "") and "not found" in (r["error"] or "").lower() for r in results.values()):
