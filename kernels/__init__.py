@@ -7,9 +7,10 @@ reference of the same function:
 * ``newton_schulz``: one fused Newton-Schulz step (Muon);
 * ``shampoo``: the statistic update and the coupled Newton inverse root (on the syrk kernel).
 
-The functions below pick the implementation per call through ``dispatch`` (``auto``: Triton on
-CUDA, the torch reference elsewhere; ``set_backend`` or ``DS_CANZONA_KERNELS`` override it).
-Triton is optional: without it ``TRITON_AVAILABLE`` is False and the references run.
+The functions below pick the implementation per call through ``dispatch`` (``default``: Triton on
+CUDA once each shape class has passed a first-use check against the torch reference, the torch
+reference elsewhere; ``set_backend`` or ``DS_CANZONA_KERNELS`` force either). ``backend_report()``
+says what ran. Triton is optional: without it ``TRITON_AVAILABLE`` is False and the references run.
 See docs/KERNELS.md for the contracts and the tolerances.
 """
 
@@ -18,7 +19,15 @@ from __future__ import annotations
 import torch
 
 from ds_canzona.kernels._common import TRITON_AVAILABLE, TileConfig
-from ds_canzona.kernels.dispatch import choose, get_backend, set_backend
+from ds_canzona.kernels import dispatch as _dispatch
+from ds_canzona.kernels.dispatch import (
+    backend_report,
+    backend_status,
+    backend_summary,
+    choose,
+    get_backend,
+    set_backend,
+)
 from ds_canzona.kernels.newton_schulz import ns_step_kernel, ns_step_reference
 from ds_canzona.kernels.newton_schulz import ns_step as _ns_step_triton
 from ds_canzona.kernels.shampoo import (
@@ -26,8 +35,8 @@ from ds_canzona.kernels.shampoo import (
     inverse_root_newton_reference,
     sym_stat_update_reference,
 )
+from ds_canzona.kernels.shampoo import _inverse_root
 from ds_canzona.kernels.shampoo import coupled_newton_step as _coupled_newton_step_triton
-from ds_canzona.kernels.shampoo import inverse_root_newton as _inverse_root_newton_triton
 from ds_canzona.kernels.shampoo import sym_stat_update_ as _sym_stat_update_triton
 from ds_canzona.kernels.syrk import syrk_kernel, syrk_reference
 from ds_canzona.kernels.syrk import syrk as _syrk_triton
@@ -35,6 +44,9 @@ from ds_canzona.kernels.syrk import syrk as _syrk_triton
 __all__ = [
     "TRITON_AVAILABLE",
     "TileConfig",
+    "backend_report",
+    "backend_status",
+    "backend_summary",
     "coupled_newton_step",
     "coupled_newton_step_reference",
     "get_backend",
@@ -56,15 +68,25 @@ def xxt_reference(x: torch.Tensor) -> torch.Tensor:
     return syrk_reference(x)
 
 
+# Each public function hands the dispatch three thunks on its own arguments: the Triton wrapper,
+# the torch reference, and the reference on float64 copies (the first-use check's oracle), plus
+# the arguments it updates in place. The wrappers are looked up by name at call time.
+
+
 def xxt(x: torch.Tensor, *, out: torch.Tensor | None = None, config: TileConfig | None = None) -> torch.Tensor:
     """X @ X^T for a matrix or a stack (..., m, n) -> (..., m, m) in x's dtype (or out's).
 
     The kernel computes the upper tiles only and mirrors them (fp32 accumulation); the result is
     exactly symmetric on both paths.
     """
-    if choose("xxt", syrk_kernel, x, *(() if out is None else (out,)), square=x.shape[-2] if x.ndim >= 2 else None):
-        return _syrk_triton(x, out=out, config=config)
-    return syrk_reference(x, out=out)
+    return _dispatch.run(
+        "xxt", syrk_kernel, (x,) if out is None else (x, out),
+        triton=lambda: _syrk_triton(x, out=out, config=config),
+        reference=lambda: syrk_reference(x, out=out),
+        oracle=lambda: syrk_reference(x.double()),
+        writes=() if out is None else (out,),
+        square=x.shape[-2] if x.ndim >= 2 else None, config=config,
+    )
 
 
 def sym_matmul(
@@ -82,10 +104,14 @@ def sym_matmul(
     For symmetric commuting ``a`` and ``b`` (polynomials in one matrix) this is ``alpha a b + beta c``.
     Only the upper tiles are computed; ``c`` is read on and above the diagonal; ``out`` may be ``c``.
     """
-    tensors = [t for t in (a, b, c, out) if t is not None]
-    if choose("sym_matmul", syrk_kernel, *tensors):
-        return _syrk_triton(a, b, alpha=alpha, beta=beta, c=c, out=out, config=config)
-    return syrk_reference(a, b, alpha=alpha, beta=beta, c=c, out=out)
+    return _dispatch.run(
+        "sym_matmul", syrk_kernel, [t for t in (a, b, c, out) if t is not None],
+        triton=lambda: _syrk_triton(a, b, alpha=alpha, beta=beta, c=c, out=out, config=config),
+        reference=lambda: syrk_reference(a, b, alpha=alpha, beta=beta, c=c, out=out),
+        oracle=lambda: syrk_reference(a.double(), b.double(), alpha=alpha, beta=beta,
+                                      c=None if c is None else c.double()),
+        writes=() if out is None else (out,), config=config,
+    )
 
 
 def ns_step(
@@ -101,13 +127,18 @@ def ns_step(
 
     ``x`` (..., m, n); returns a new contiguous tensor of x's shape and dtype (or ``out``).
     """
-    tensors = (x,) if out is None else (x, out)
-    if choose("ns_step", ns_step_kernel, *tensors):
-        return _ns_step_triton(x, a, b, c, out=out, config=config)
-    res = ns_step_reference(x, a, b, c)
-    if out is None:
-        return res
-    return out.copy_(res)
+
+    def reference() -> torch.Tensor:
+        res = ns_step_reference(x, a, b, c)
+        return res if out is None else out.copy_(res)
+
+    return _dispatch.run(
+        "ns_step", ns_step_kernel, (x,) if out is None else (x, out),
+        triton=lambda: _ns_step_triton(x, a, b, c, out=out, config=config),
+        reference=reference,
+        oracle=lambda: ns_step_reference(x.double(), a, b, c),
+        writes=() if out is None else (out,), config=config,
+    )
 
 
 def sym_stat_update_(
@@ -117,18 +148,26 @@ def sym_stat_update_(
 
     ``stat`` (..., m, m) must be symmetric; the kernel reads it on and above the diagonal only.
     """
-    if choose("sym_stat_update_", syrk_kernel, stat, g):
-        return _sym_stat_update_triton(stat, g, beta, config=config)
-    return sym_stat_update_reference(stat, g, beta)
+    return _dispatch.run(
+        "sym_stat_update_", syrk_kernel, (stat, g),
+        triton=lambda: _sym_stat_update_triton(stat, g, beta, config=config),
+        reference=lambda: sym_stat_update_reference(stat, g, beta),
+        oracle=lambda: sym_stat_update_reference(stat.double(), g.double(), beta),
+        writes=(stat,), config=config,
+    )
 
 
 def coupled_newton_step(
     x: torch.Tensor, m: torch.Tensor, root: int, *, config: TileConfig | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One coupled Newton inverse-root step: Mp = ((root+1) I - M) / root; (X Mp, Mp^root M)."""
-    if choose("coupled_newton_step", syrk_kernel, x, m):
-        return _coupled_newton_step_triton(x, m, root, config=config)
-    return coupled_newton_step_reference(x, m, root)
+    return _dispatch.run(
+        "coupled_newton_step", syrk_kernel, (x, m),
+        triton=lambda: _coupled_newton_step_triton(x, m, root, config=config),
+        reference=lambda: coupled_newton_step_reference(x, m, root),
+        oracle=lambda: coupled_newton_step_reference(x.double(), m.double(), root),
+        config=config,
+    )
 
 
 def inverse_root_newton(
@@ -140,7 +179,15 @@ def inverse_root_newton(
     tol: float = 1e-6,
     config: TileConfig | None = None,
 ) -> torch.Tensor:
-    """(a + epsilon I)^(-1/root) of a symmetric positive definite matrix (or stack), coupled Newton."""
-    if choose("inverse_root_newton", syrk_kernel, a):
-        return _inverse_root_newton_triton(a, root, epsilon=epsilon, max_iters=max_iters, tol=tol, config=config)
-    return inverse_root_newton_reference(a, root, epsilon=epsilon, max_iters=max_iters, tol=tol)
+    """(a + epsilon I)^(-1/root) of a symmetric positive definite matrix (or stack), coupled Newton.
+
+    On the kernels, every iteration is a call of ``coupled_newton_step``, so its first-use check
+    (and fallback) covers the iteration; on torch this is ``inverse_root_newton_reference``.
+    """
+    if not choose("inverse_root_newton", syrk_kernel, a):
+        return inverse_root_newton_reference(a, root, epsilon=epsilon, max_iters=max_iters, tol=tol)
+
+    def step(x: torch.Tensor, m: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return coupled_newton_step(x, m, r, config=config)
+
+    return _inverse_root(a, root, step, epsilon=epsilon, max_iters=max_iters, tol=tol)

@@ -1,9 +1,13 @@
 """Which implementation runs: ``default``, ``triton`` or ``torch``.
 
 * ``default``: the Triton kernel when Triton is importable, every tensor is on CUDA and the shape and
-  dtypes are supported; the torch reference otherwise (CPU tensors, float64, empty inputs, ...).
-* ``triton``: always the kernel; an input it cannot take is an error, not a silent fallback.
-  Under ``TRITON_INTERPRET=1`` the kernels take CPU tensors (this is how the tests run them).
+  dtypes are supported, once the kernel has passed its first-use check for the call's shape class
+  (``validation.py``: the kernel against the torch reference and a float64 oracle on the caller's
+  input; a compile error or a miss sends the operation to torch for the rest of the process, with
+  one warning). The torch reference otherwise (CPU tensors, float64, empty inputs, ...).
+* ``triton``: always the kernel, never checked; an input it cannot take and any error of the kernel
+  raise, never a silent fallback. Under ``TRITON_INTERPRET=1`` the kernels take CPU tensors (this
+  is how the tests run them).
 * ``torch``: always the reference.
 
 ``auto``, the former name of ``default``, is still accepted here (``set_backend``, the environment
@@ -12,7 +16,10 @@ value in a DeepSpeed config for a placeholder of its own and stops on one it can
 
 Set it with ``set_backend(name)`` or the environment variable ``DS_CANZONA_KERNELS`` (read when
 this module is imported). Each (operation, implementation, reason) choice is logged once at INFO
-on the ``ds_canzona.kernels`` logger.
+on the ``ds_canzona.kernels`` logger and counted for ``backend_report()``.
+
+``device_type(tensor)`` is the one place the device decision is made: tests replace it so that
+CPU tensors count as CUDA (a stand-in device for the first-use check and its fallback).
 """
 
 from __future__ import annotations
@@ -20,19 +27,34 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
+from ds_canzona.kernels import validation
 from ds_canzona.kernels._common import (
     MAX_BATCH,
     MAX_OFFSET,
     SUPPORTED_DTYPES,
     TRITON_AVAILABLE,
+    TileConfig,
     is_interpreted,
     matrix_extent,
 )
 
-__all__ = ["BACKENDS", "ENV_VAR", "choose", "get_backend", "set_backend"]
+__all__ = [
+    "BACKENDS",
+    "ENV_VAR",
+    "backend_report",
+    "backend_status",
+    "backend_summary",
+    "choose",
+    "device_type",
+    "get_backend",
+    "run",
+    "set_backend",
+]
 
 BACKENDS = ("default", "triton", "torch")
 ALIASES = {"auto": "default"}
@@ -56,7 +78,10 @@ _backend = _validate(os.environ.get(ENV_VAR, "default") or "default", ENV_VAR)
 
 
 def set_backend(name: str) -> None:
-    """Select ``'default'``, ``'triton'`` or ``'torch'`` for every kernel call from now on (``'auto'``: default)."""
+    """Select ``'default'``, ``'triton'`` or ``'torch'`` for every kernel call from now on (``'auto'``: default).
+
+    First-use checks passed and fallbacks taken under ``default`` are kept across changes.
+    """
     global _backend
     _backend = _validate(name, "kernels backend")
 
@@ -64,6 +89,11 @@ def set_backend(name: str) -> None:
 def get_backend() -> str:
     """The selected backend name (``'default'`` unless set)."""
     return _backend
+
+
+def device_type(tensor: torch.Tensor) -> str:
+    """The device type the dispatch decides on (``tensor.device.type``; tests stand CPU in for CUDA)."""
+    return tensor.device.type
 
 
 def _triton_refusal(kernel: object, tensors: tuple[torch.Tensor, ...], square: int | None) -> str | None:
@@ -88,35 +118,118 @@ def _triton_refusal(kernel: object, tensors: tuple[torch.Tensor, ...], square: i
             return f"a stack of more than {MAX_BATCH} matrices"
         if interpreted and t.device.type != "cpu":
             return f"device {t.device} (the interpreter runs on the CPU)"
-        if not interpreted and t.device.type != "cuda":
+        if not interpreted and device_type(t) != "cuda":
             return f"device {t.device} (kernels need CUDA)"
     return None
 
 
-def choose(op: str, kernel: object, *tensors: torch.Tensor, square: int | None = None) -> bool:
-    """True to run the Triton ``kernel`` for ``op`` on ``tensors``, False for the torch reference.
-
-    ``square``: the size of a square result the kernel will allocate (xxt's m x m output).
-
-    Raises ValueError when the backend is ``'triton'`` and the kernel cannot take the inputs.
-    """
+def _route(op: str, kernel: object, tensors: tuple[torch.Tensor, ...], square: int | None) -> tuple[str, str]:
+    """('torch' | 'triton' | 'check', reason): the reference, the kernel alone, or the kernel once checked."""
     backend = _backend
     if backend == "torch":
-        use, reason = False, "backend 'torch'"
-    else:
-        refusal = _triton_refusal(kernel, tensors, square)
-        if refusal is not None and backend == "triton":
+        return "torch", "backend 'torch'"
+    refusal = _triton_refusal(kernel, tensors, square)
+    if refusal is not None:
+        if backend == "triton":
             raise ValueError(f"kernels backend 'triton' cannot run {op}: {refusal}")
-        if refusal is not None:
-            use, reason = False, refusal
-        elif backend == "default" and is_interpreted(kernel):
-            use, reason = False, "'default' takes Triton on CUDA only; the interpreter runs when 'triton' is forced"
-        else:
-            use, reason = True, f"backend {backend!r}" + (" under the interpreter" if is_interpreted(kernel) else "")
-    key = (op, "triton" if use else "torch", reason)
+        return "torch", refusal
+    if backend == "triton":
+        return "triton", "backend 'triton'" + (" under the interpreter" if is_interpreted(kernel) else "")
+    if any(device_type(t) != "cuda" for t in tensors):
+        return "torch", "'default' takes Triton on CUDA only; the interpreter runs when 'triton' is forced"
+    fallback = validation.fallback_reason(op)
+    if fallback is not None:
+        return "torch", f"fell back after a failed first-use check ({fallback})"
+    return "check", "backend 'default' on CUDA, each shape class checked on first use"
+
+
+def _log_once(op: str, implementation: str, reason: str) -> None:
+    key = (op, implementation, reason)
     if key not in _logged:
         with _lock:
             if key not in _logged:
                 _logged.add(key)
-                logger.info("ds_canzona.kernels: %s runs on %s (%s)", op, key[1], reason)
-    return use
+                logger.info("ds_canzona.kernels: %s runs on %s (%s)", op, implementation, reason)
+
+
+def choose(op: str, kernel: object, *tensors: torch.Tensor, square: int | None = None) -> bool:
+    """True when ``op`` on ``tensors`` goes to the Triton ``kernel``, False for the torch reference.
+
+    Under ``default`` on CUDA, True means "Triton, subject to the first-use check": ``run`` makes
+    that check (and may still fall back); ``choose`` only routes.
+
+    ``square``: the size of a square result the kernel will allocate (xxt's m x m output).
+    Raises ValueError when the backend is ``'triton'`` and the kernel cannot take the inputs.
+    """
+    where, reason = _route(op, kernel, tensors, square)
+    implementation = "torch" if where == "torch" else "triton"
+    _log_once(op, implementation, reason)
+    validation.record_route(op, implementation, reason)
+    return where != "torch"
+
+
+def run(
+    op: str,
+    kernel: Any,
+    tensors: Sequence[torch.Tensor],
+    *,
+    triton: Callable[[], Any],
+    reference: Callable[[], Any],
+    oracle: Callable[[], Any],
+    writes: Sequence[torch.Tensor] = (),
+    square: int | None = None,
+    config: TileConfig | None = None,
+) -> Any:
+    """Run ``op`` on the implementation the backend picks; under ``default`` on CUDA, check first use.
+
+    ``triton`` / ``reference`` run the kernel wrapper / the torch reference on the caller's
+    arguments; ``oracle`` the reference on float64 copies of them; ``writes`` are the arguments
+    either updates in place. ``config``: the caller's pinned tiles (part of the shape class).
+    """
+    tensors = tuple(tensors)
+    where, reason = _route(op, kernel, tensors, square)
+    if where == "check":
+        cls = validation.shape_class(op, tensors, config)
+        verdict = validation.class_verdict(op, cls)
+        if verdict == "gave up":
+            where, reason = "torch", f"no conclusive first-use check for {cls.text}"
+        elif verdict == "validated":
+            where, reason = "triton", "passed its first-use check"
+    if where == "check":
+        result, implementation, reason = validation.check_first_use(
+            op, getattr(kernel, "__name__", str(kernel)), cls, triton=triton, reference=reference, oracle=oracle,
+            writes=writes)
+    else:
+        implementation = where
+        result = reference() if where == "torch" else triton()
+    _log_once(op, implementation, reason)
+    validation.record_route(op, implementation, reason)
+    return result
+
+
+def backend_status() -> dict[str, dict[str, Any]]:
+    """Per operation: which implementation ran, each route's reason and call count, the shape classes
+    that passed their first-use check, and the fallback (``validation.backend_status``)."""
+    return validation.backend_status()
+
+
+def backend_report() -> str:
+    """Which implementation each kernel operation ran in this process, and why (with call counts)."""
+    return validation.backend_report(_backend)
+
+
+def backend_summary(device: torch.device | str) -> str:
+    """One line for the plan log: what the selected backend does with matrix kernels on ``device``."""
+    device = torch.device(device)
+    switch = "canzona.kernels, DS_CANZONA_KERNELS or kernels.set_backend"
+    if _backend == "torch":
+        return f"kernels: torch reference everywhere (backend 'torch'; {switch} selects)"
+    if _backend == "triton":
+        return "kernels: Triton always (backend 'triton'): no first-use check, and a kernel error raises"
+    if not TRITON_AVAILABLE:
+        return "kernels: torch reference (Triton is not importable)"
+    if device.type != "cuda":
+        return f"kernels: torch reference on {device.type} (backend 'default' runs Triton on CUDA only)"
+    return ("kernels: Triton on CUDA (backend 'default'), each (operation, shape class) checked on first use "
+            "against the torch reference and float64; an operation that fails runs on torch with one warning; "
+            f"kernels.backend_report() lists what ran ({switch} forces 'triton' or 'torch')")

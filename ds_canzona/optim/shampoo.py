@@ -14,14 +14,28 @@ m, v of the whole tensor (m doubles as Shampoo's momentum). At step t:
     W <- W * (1 - lr * weight_decay);  W <- W - lr * D
 
 The inverse 4th roots are recomputed at the start step and every ``precondition_frequency``
-steps after it: by an eigendecomposition (``inverse_root='eigh'``, in ``root_dtype``; a failed
-float32 decomposition is retried in float64) or by a coupled Newton iteration
-(``inverse_root='newton'``, ``kernels.inverse_root_newton``: matmuls only). The statistics are not
-bias-corrected: grafting resets the step length, so their scale only matters against ``epsilon``.
+steps after it: by an eigendecomposition (``inverse_root='eigh'``, in ``root_dtype``) or by a
+coupled Newton iteration (``inverse_root='newton'``, ``kernels.inverse_root_newton``: matmuls
+only). The statistics are not bias-corrected: grafting resets the step length, so their scale only
+matters against ``epsilon``.
+
+Guarded refresh. Before the roots of a tensor are refreshed, one host read of each statistic's
+largest magnitude sorts them: a non-finite statistic keeps the root it had (the warning says so),
+an all-zero one (a tensor whose gradient never arrives) takes the closed form eps^(-1/4) I, the
+others are decomposed. cuSOLVER's float32 ``eigh`` has crashed on low-rank statistics with an
+illegal memory access that poisons the CUDA context (pytorch#94772, #105359; float64 and the CPU
+succeeded on every reported matrix), so a retry after the crash cannot be relied on: on CUDA the
+decomposition runs in float64 from the start, and a float64 failure there is retried on the CPU.
+On the CPU a float32 failure (LAPACK did not converge) is retried in float64. When every attempt
+fails, the statistic keeps its root and a warning says so. Healthy CPU inputs take exactly the
+path they always did.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -55,26 +69,82 @@ def block_bounds(size: int, block: int) -> list[tuple[int, int]]:
     return [(start, min(start + block, size)) for start in range(0, size, block)]
 
 
+logger = logging.getLogger("ds_canzona")
+
+
+def statistic_health(stats: Sequence[Tensor]) -> list[str]:
+    """'finite', 'zero' or 'non-finite' for each statistic, from one host read for all of them.
+
+    The largest magnitude tells all three: NaN or inf when something is not finite, 0 when every
+    entry is zero.
+    """
+    if not stats:
+        return []
+    peaks = torch.stack([s.abs().amax().to(torch.float64) for s in stats]).tolist()
+    return ["non-finite" if not math.isfinite(p) else "zero" if p == 0.0 else "finite" for p in peaks]
+
+
+def eigh_attempts(device_type: str, dtype: torch.dtype) -> list[tuple[torch.dtype, str]]:
+    """(dtype, 'here' | 'cpu') of each decomposition to try in turn, the first that succeeds wins.
+
+    On CUDA float64 comes first: a failed float32 cuSOLVER call can leave the context unusable.
+    """
+    if device_type == "cuda":
+        return [(torch.float64, "here"), (torch.float64, "cpu")]
+    if dtype == torch.float64:
+        return [(torch.float64, "here")]
+    return [(dtype, "here"), (torch.float64, "here")]
+
+
+def symmetric_eigh(stat: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(eigenvalues ascending, eigenvectors) of the symmetrised ``stat``, in ``dtype`` or wider.
+
+    The attempts of ``eigh_attempts``; the result is on ``stat``'s device, in the dtype of the
+    attempt that succeeded. Raises the last ``torch.linalg.LinAlgError`` when every attempt fails.
+    """
+    error: torch.linalg.LinAlgError | None = None
+    for work_dtype, where in eigh_attempts(stat.device.type, dtype):
+        matrix = stat.to(work_dtype) if where == "here" else stat.to("cpu", work_dtype)
+        matrix = (matrix + matrix.mT) / 2  # symmetric to the last bit, as eigh assumes
+        try:
+            values, vectors = torch.linalg.eigh(matrix)
+        except torch.linalg.LinAlgError as err:
+            error = err
+            continue
+        return values.to(stat.device), vectors.to(stat.device)
+    assert error is not None
+    raise error
+
+
 def inverse_root_eigh(stat: Tensor, root: int, epsilon: float, dtype: torch.dtype) -> Tensor:
-    """(stat + epsilon I)^(-1/root) by a symmetric eigendecomposition, computed in ``dtype``.
+    """(stat + epsilon I)^(-1/root) by a symmetric eigendecomposition, computed in ``dtype`` (or wider).
 
     Eigenvalues are clamped at zero first: rounding makes those of a singular PSD matrix
     slightly negative, and only ``epsilon`` should decide how far a null direction is boosted.
+    Raises ``torch.linalg.LinAlgError`` when no decomposition succeeded (``symmetric_eigh``).
     """
-    def solve(work_dtype: torch.dtype) -> Tensor:
-        matrix = stat.to(work_dtype)
-        matrix = (matrix + matrix.mT) / 2  # symmetric to the last bit, as eigh assumes
-        values, vectors = torch.linalg.eigh(matrix)
-        scaled = (values.clamp_min(0.0) + epsilon).pow(-1.0 / root)
-        return (vectors * scaled.unsqueeze(-2)) @ vectors.mT
+    values, vectors = symmetric_eigh(stat, dtype)
+    scaled = (values.clamp_min(0.0) + epsilon).pow(-1.0 / root)
+    return ((vectors * scaled.unsqueeze(-2)) @ vectors.mT).to(stat.dtype)
 
-    try:
-        result = solve(dtype)
-    except torch.linalg.LinAlgError:
-        if dtype == torch.float64:
-            raise
-        result = solve(torch.float64)
-    return result.to(stat.dtype)
+
+def zero_inverse_root(stat: Tensor, root: int, epsilon: float, dtype: torch.dtype) -> Tensor:
+    """(0 + epsilon I)^(-1/root) for an all-zero ``stat``: what the decomposition gives, in closed form."""
+    values = torch.zeros(stat.shape[-1], dtype=dtype, device=stat.device)
+    return torch.diag_embed((values.clamp_min(0.0) + epsilon).pow(-1.0 / root)).to(stat.dtype)
+
+
+_warned: set[str] = set()
+
+
+def warn_kept(kind: str, what: str, shape: tuple[int, ...], why: str) -> None:
+    """Say that a statistic keeps its last root or basis: a warning the first time per reason, then DEBUG."""
+    message = f"{kind}: a {'x'.join(map(str, shape))} statistic {why}; its {what} is kept from the last refresh"
+    if why not in _warned:
+        _warned.add(why)
+        logger.warning("%s (further cases at DEBUG on the 'ds_canzona' logger)", message)
+    else:
+        logger.debug(message)
 
 
 @register_rule
@@ -164,6 +234,21 @@ class ShampooRule(RuleBase):
             return kernels.inverse_root_newton(stat, ROOT, epsilon=self.epsilon)
         return inverse_root_eigh(stat, ROOT, self.epsilon, ROOT_DTYPES[self.root_dtype])
 
+    def _refresh_roots_(self, state: dict[str, Tensor], suffixes: list[str]) -> None:
+        """Recompute the roots of every block, guarded (module docstring): one host read per tensor."""
+        names = [f"{side}_stat.{suffix}" for suffix in suffixes for side in ("left", "right")]
+        for name, health in zip(names, statistic_health([state[n] for n in names])):
+            stat, root = state[name], state[name.replace("_stat.", "_root.")]
+            if health == "non-finite":
+                warn_kept(self.kind, "inverse root", tuple(stat.shape), "is not finite")
+            elif health == "zero":
+                root.copy_(zero_inverse_root(stat, ROOT, self.epsilon, ROOT_DTYPES[self.root_dtype]))
+            else:
+                try:
+                    root.copy_(self._inverse_root(stat))
+                except torch.linalg.LinAlgError as err:
+                    warn_kept(self.kind, "inverse root", tuple(stat.shape), f"could not be decomposed ({err})")
+
     def _update_one(self, param: Tensor, grad: Tensor, state: dict[str, Tensor], lr: float) -> None:
         state["step"] += 1
         step = int(state["step"].item())
@@ -175,19 +260,21 @@ class ShampooRule(RuleBase):
         momentum = state["exp_avg"] / (1.0 - self.betas[0]**step)  # Shampoo preconditions m_hat
 
         g2d, m2d, a2d = as_matrix(grad), as_matrix(momentum), as_matrix(adam)
-        direction = torch.empty_like(a2d) if step >= start else a2d
-        for suffix, rows, cols in self.blocks(tuple(param.shape)):
+        blocks = self.blocks(tuple(param.shape))
+        for suffix, rows, cols in blocks:
             g_block = g2d[rows, cols].contiguous()
-            left, right = state[f"left_stat.{suffix}"], state[f"right_stat.{suffix}"]
-            self._accumulate_(left, g_block)
-            self._accumulate_(right, g_block.mT.contiguous())
-            if refresh:
-                state[f"left_root.{suffix}"].copy_(self._inverse_root(left))
-                state[f"right_root.{suffix}"].copy_(self._inverse_root(right))
-            if step >= start:
+            self._accumulate_(state[f"left_stat.{suffix}"], g_block)
+            self._accumulate_(state[f"right_stat.{suffix}"], g_block.mT.contiguous())
+        if refresh:
+            self._refresh_roots_(state, [suffix for suffix, _, _ in blocks])
+        direction = a2d
+        if step >= start:
+            direction = torch.empty_like(a2d)
+            for suffix, rows, cols in blocks:
                 shampoo = state[f"left_root.{suffix}"] @ m2d[rows, cols] @ state[f"right_root.{suffix}"]
                 graft = a2d[rows, cols].norm() / shampoo.norm().clamp_min(torch.finfo(shampoo.dtype).tiny)
                 direction[rows, cols] = shampoo * graft
         if self.weight_decay != 0.0:
             param.mul_(1.0 - lr * self.weight_decay)
         param.add_(direction.reshape(param.shape), alpha=-lr)
+

@@ -19,6 +19,14 @@ a basis built from that same gradient (as in the SOAP authors' code). Each later
 
 Deviations from the authors' code, for one AdamW formula across the package: weight decay is
 applied before the step instead of after it, and eps is added to the bias-corrected sqrt(v).
+
+Guarded bases, as Shampoo's roots (optim/shampoo.py): on the first call and on each refresh, one
+host read of the statistics' largest magnitudes; a non-finite statistic keeps its basis (a
+warning says so); an all-zero one takes the closed form on the first call (the reversed identity,
+what LAPACK gives) and keeps its basis on a refresh (any basis is an eigenbasis of zero); the
+eigendecomposition runs in float64 on CUDA (cuSOLVER's float32 ``eigh`` has crashed on low-rank
+statistics, and the first call's statistic has rank at most min(rows, cols)), with the retries of
+``shampoo.symmetric_eigh``; a statistic no attempt could decompose keeps its basis.
 """
 
 from __future__ import annotations
@@ -43,22 +51,20 @@ from ds_canzona.optim.base import (
     require_matrix,
     state_dtype,
 )
+from ds_canzona.optim.shampoo import statistic_health, symmetric_eigh, warn_kept
 
 
 def eigenbasis(stat: Tensor) -> Tensor:
-    """Eigenvectors of a symmetric statistic, largest eigenvalue first (float64 retry on failure)."""
-    def solve(dtype: torch.dtype) -> Tensor:
-        matrix = stat.to(dtype)
-        _, vectors = torch.linalg.eigh((matrix + matrix.mT) / 2)
-        return vectors.flip(-1)
+    """Eigenvectors of a symmetric statistic, largest eigenvalue first (``shampoo.symmetric_eigh``'s
+    attempts: float64 on CUDA, a float64 retry on the CPU). Raises ``torch.linalg.LinAlgError``
+    when every attempt fails."""
+    _, vectors = symmetric_eigh(stat, stat.dtype)
+    return vectors.flip(-1).to(stat.dtype)
 
-    try:
-        vectors = solve(stat.dtype)
-    except torch.linalg.LinAlgError:
-        if stat.dtype == torch.float64:
-            raise
-        vectors = solve(torch.float64)
-    return vectors.to(stat.dtype)
+
+def zero_eigenbasis(stat: Tensor) -> Tensor:
+    """The basis ``eigenbasis`` gives an all-zero statistic on the CPU (the identity, reversed), in closed form."""
+    return torch.eye(stat.shape[-1], dtype=stat.dtype, device=stat.device).flip(-1)
 
 
 def refresh_basis(stat: Tensor, basis: Tensor) -> tuple[Tensor, Tensor]:
@@ -157,9 +163,7 @@ class SOAPRule(RuleBase):
         g = as_matrix(grad).contiguous()
         if calls == 1:
             self._accumulate_(g, state)
-            for side in ("left", "right"):
-                if f"{side}_stat" in state:
-                    state[f"{side}_basis"].copy_(eigenbasis(state[f"{side}_stat"]))
+            self._first_bases_(state)
             return
 
         k = calls - 1  # Adam's own step count: the first call did not step
@@ -176,11 +180,36 @@ class SOAPRule(RuleBase):
 
         self._accumulate_(g, state)
         if k % self.precondition_frequency == 0:
-            if "left_basis" in state:
-                basis, order = refresh_basis(state["left_stat"], state["left_basis"])
-                state["left_basis"].copy_(basis)
-                exp_avg_sq.copy_(exp_avg_sq[order, :])
-            if "right_basis" in state:
-                basis, order = refresh_basis(state["right_stat"], state["right_basis"])
-                state["right_basis"].copy_(basis)
-                exp_avg_sq.copy_(exp_avg_sq[:, order])
+            self._refresh_bases_(state)
+
+    def _sides(self, state: dict[str, Tensor]) -> list[str]:
+        return [side for side in ("left", "right") if f"{side}_stat" in state]
+
+    def _first_bases_(self, state: dict[str, Tensor]) -> None:
+        """The first bases: eigenvectors of each statistic, guarded (module docstring)."""
+        sides = self._sides(state)
+        for side, health in zip(sides, statistic_health([state[f"{side}_stat"] for side in sides])):
+            stat, basis = state[f"{side}_stat"], state[f"{side}_basis"]
+            if health == "non-finite":
+                warn_kept(self.kind, "basis", tuple(stat.shape), "is not finite")
+            elif health == "zero":
+                basis.copy_(zero_eigenbasis(stat))
+            else:
+                try:
+                    basis.copy_(eigenbasis(stat))
+                except torch.linalg.LinAlgError as err:
+                    warn_kept(self.kind, "basis", tuple(stat.shape), f"could not be decomposed ({err})")
+
+    def _refresh_bases_(self, state: dict[str, Tensor]) -> None:
+        """One power-iteration step per basis, v permuted alike; a non-finite or zero statistic keeps its basis."""
+        exp_avg_sq = state["exp_avg_sq"]
+        sides = self._sides(state)
+        for side, health in zip(sides, statistic_health([state[f"{side}_stat"] for side in sides])):
+            if health == "non-finite":
+                warn_kept(self.kind, "basis", tuple(state[f"{side}_stat"].shape), "is not finite")
+                continue
+            if health == "zero":
+                continue
+            basis, order = refresh_basis(state[f"{side}_stat"], state[f"{side}_basis"])
+            state[f"{side}_basis"].copy_(basis)
+            exp_avg_sq.copy_(exp_avg_sq[order, :] if side == "left" else exp_avg_sq[:, order])

@@ -102,6 +102,8 @@ class OwnerRuntime(ZeROOptimizer):
         # summary that nobody sees cannot be checked.
         if self.config.log_plan and dist.get_rank() == 0:
             print(self.plan_summary(), flush=True)
+            from ds_canzona.kernels import backend_summary  # the matrix kernels: which run, how they are checked
+            print(backend_summary(self.device), flush=True)
 
     # ------------------------------------------------------------------ step
     @property
