@@ -246,8 +246,9 @@ OPTIMIZERS = {"muon": MUON, "shampoo": SHAMPOO, "soap": SOAP}
 STEPS = 3
 # 0-based optimizer steps whose refresh makes host syncs (precondition_frequency=2): Shampoo refreshes
 # its roots at its start step 2 (index 1); SOAP builds its bases by eigh on its first step (index 0)
-# and refreshes them by QR at index 2, which makes none.
-REFRESH_STEPS = {"muon": set(), "shampoo": {1}, "newton": {1}, "soap": {0}}
+# and refreshes them by QR at index 2, whose statistics guard (optim/shampoo.py statistic_health,
+# one read per tensor: finite, zero or not) makes the only reads there (QR itself makes none).
+REFRESH_STEPS = {"muon": set(), "shampoo": {1}, "newton": {1}, "soap": {0, 2}}
 REFRESH_SITES = ("ds_canzona.optim.shampoo:", "ds_canzona.optim.soap:", "ds_canzona.kernels.shampoo:")
 NORM_READ = "aten._local_scalar_dense at ds_canzona.optim.clipping:"
 

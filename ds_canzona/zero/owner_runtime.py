@@ -31,6 +31,7 @@ from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
 
 from ds_canzona.config import CanzonaConfig
+from ds_canzona.kernels import backend_summary
 from ds_canzona.optim import rule_for_group
 from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
 from ds_canzona.plan import CostModel
@@ -102,7 +103,7 @@ class OwnerRuntime(ZeROOptimizer):
         # summary that nobody sees cannot be checked.
         if self.config.log_plan and dist.get_rank() == 0:
             print(self.plan_summary(), flush=True)
-            from ds_canzona.kernels import backend_summary  # the matrix kernels: which run, how they are checked
+            # The matrix kernels: which implementation runs here and how it is checked.
             print(backend_summary(self.device), flush=True)
 
     # ------------------------------------------------------------------ step
