@@ -28,6 +28,11 @@ Data flow per optimizer step:
                updates the items it owns (whole matrices, non-matrix tensors or their pieces),
                then one all-gather per bucket
 
+Where streams are real (CUDA) the reduce-scatters, with their conversion and pre-division, run on
+a reduction stream of this runtime that waits for every stream that wrote the bucket and for the
+collectives' ends itself; the compute stream waits for it once before the step
+(``ds_canzona.zero.streams``; docs/ARCHITECTURE.md, "Streams"). On the CPU that is all a no-op.
+
 A tensor whose gradient never arrives (unused on this rank, this step) counts as zero. One whose
 gradient arrives twice in one backward (reentrant activation checkpointing that uses it in two
 checkpointed segments) is accumulated, and the engine stops launching buckets before backward
@@ -54,7 +59,9 @@ from ds_canzona.zero.streams import StreamOrder
 # next bucket's gradients then wait inside backward for the previous collective (measured with
 # gloo on 2 cores: 1% slower per iteration than DeepSpeed's stage 2 at DP=3); each extra one
 # holds one more bucket of gradients. Where streams are real (CUDA) the wait is queued on the
-# reduction stream, not on the host or the compute stream (``ds_canzona.zero.streams``).
+# reduction stream, not on the host or the compute stream (``ds_canzona.zero.streams``): the limit
+# bounds the buckets this runtime holds, and a released bucket's memory is the caching allocator's
+# again once the reduction stream has passed the end of its collective.
 REDUCE_SCATTERS_IN_FLIGHT = 2
 
 

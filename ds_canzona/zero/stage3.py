@@ -32,6 +32,12 @@ Data flow per optimizer step:
                squared norms (overflow + clipping); each rank updates what it owns; the result
                is written into its shard. No other collective.
 
+Where streams are real (CUDA) the reduces and the owner's accumulation run on a reduction stream
+of this runtime (after the stream each gradient came on; it waits for the collectives itself),
+the compute stream waits for it once before the step, and the next fetch, issued on DeepSpeed's
+all-gather stream, waits for an event recorded after the owners wrote their shards
+(``ds_canzona.zero.streams``; docs/ARCHITECTURE.md). On the CPU that is all a no-op.
+
 Non-matrix tensors use the same owner layout: whole up to ``canzona.split_numel`` elements,
 above it in the canonical pieces of ``ds_canzona.plan.piece_bounds``, each piece owned like a
 tensor. That was chosen over DeepSpeed's even layout by measurement and by contract
