@@ -3,9 +3,10 @@
 torch's fake backend (``torch.testing._internal.distributed.fake_pg``) answers ranks, world sizes
 and sub-groups like a real world of ``world_size`` ranks, and its collectives do nothing. That is
 enough to build DeepSpeed engines and ds_canzona's runtimes at any data-parallel size in one
-process, and to count or order what they issue; what a collective would have delivered is not
-there (wrap the collectives to give outputs values if the code reads them, as
-``tests/stream_standin.py`` does).
+process, and to count or order what they issue. What a collective would have delivered is not
+there, and the fake backend still checks shapes (it rejects ds_canzona's uneven all-gather of a
+bucket, the NCCL path it takes on a backend other than gloo): wrap ``torch.distributed``'s
+collectives, as ``tests/stream_standin.py`` does, to record them and give outputs values.
 
 Use it in a process of its own (tests/distributed.py ``run_ranks(fn, 1)``): it sets the
 environment DeepSpeed reads, initialises the global process group and leaves DeepSpeed's group

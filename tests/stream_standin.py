@@ -7,8 +7,8 @@ CUDA and NCCL would do, while the tensors stay on the CPU:
 
 - a *timeline* is a stream or one collective; each keeps a vector clock of what is ordered before
   its next operation. A stream orders its own operations; ``wait_stream``, ``wait_event`` after
-  ``Event.record`` and host syncs (``synchronize``, ``.item()``) order across streams, and nothing
-  else does;
+  ``Event.record`` and host syncs (``synchronize``, a value read by the host such as ``.item()``)
+  order across streams, and nothing else does;
 - every torch operation (seen by a ``TorchDispatchMode``) is an access on the current stream: it
   reads its tensor arguments and writes its mutable arguments and its fresh outputs;
 - every collective of ``torch.distributed`` (which deepspeed.comm calls) is a timeline of its own
@@ -359,8 +359,8 @@ class StreamModel:
         storage = tensor.untyped_storage()
         pointer = storage.data_ptr()
         record = self._storages.get(pointer)
-        if record is not None and not record.weak.expired() and not fresh:
-            return record
+        if record is not None and not record.weak.expired():
+            return record  # the same storage, even where an operation hands it out as new
         record = _Storage(pointer=pointer, weak=StorageWeakRef(storage), allocated_on=timeline or self.default.timeline,
                           label=f"{tensor.dtype}[{storage.nbytes() // tensor.element_size()}] from {op} at {site}"
                           if fresh else f"{tensor.dtype}[{storage.nbytes() // tensor.element_size()}] "
@@ -509,8 +509,9 @@ class _AccessMode(TorchDispatchMode):
             model.access(timeline, tensor, write=True, op=op, site=site)
         for tensor in fresh:
             model.access(timeline, tensor, write=True, op=op, site=site, fresh=True)
-        if func is torch.ops.aten._local_scalar_dense.default:
-            model.host_sync(timeline.snapshot())  # .item(): the host waits for the stream
+        if not outputs and not written:
+            # A value for the host (.item(), torch.equal): on a GPU the host waits for the stream.
+            model.host_sync(timeline.snapshot())
         return out
 
 
