@@ -582,7 +582,7 @@ def install_stream_model():
     saved = []
 
     def patch(owner, name, value):
-        saved.append((owner, name, getattr(owner, name)))
+        saved.append((owner, name, owner.__dict__[name] if name in owner.__dict__ else None))
         setattr(owner, name, value)
 
     for name in list(_COLLECTIVES) + list(_ALIASES):
@@ -627,5 +627,8 @@ def install_stream_model():
         model.poll()
     finally:
         for owner, name, value in reversed(saved):
-            setattr(owner, name, value)
+            if value is None:
+                delattr(owner, name)  # it was inherited (torch.Tensor.record_stream)
+            else:
+                setattr(owner, name, value)
         set_accelerator(previous_accelerator)

@@ -10,18 +10,22 @@ or collective (every bucket, every reduce to an owner, every fetch of a shard, e
 of the TP exchange), no storage freed while another stream may still use it, and no
 ``work.wait()`` inside backward with a compute stream current.
 
-Cases: ZeRO stages 1, 2 and 3 at DP=4, and AutoTP at TP=2 x DP=2 (stage 2), each eagerly and
-"compiled". torch.compile on a GPU runs backward ops on streams of its own, and autograd runs a
-parameter's hooks on the stream of the op that produced its gradient; on the CPU inductor uses no
-streams at all, so that is simulated: every other parameter's gradient is produced on a second
-compute stream of the stand-in, and its hook runs there (``StreamModel.gradient_from``). Stages 2
-and 3 also run with ``communication_data_type`` bf16 and a predivide factor (the conversion and
-division on the reduction stream, the converted copy released).
+Cases: ZeRO stages 1, 2 and 3 at DP=4, and AutoTP at TP=2 x DP=2 (stage 2), each on one stream
+and with "compile streams". torch.compile on a GPU runs backward ops on streams of its own, and
+autograd runs a parameter's hooks on the stream of the op that produced its gradient; on the CPU
+inductor uses no streams at all (a real compile exercises no other stream here), so that is
+simulated: every other parameter's gradient is produced on a second compute stream of the
+stand-in, and its hook runs there (``StreamModel.gradient_from``). Stages 2 and 3 also run with
+``communication_data_type`` bf16 and a predivide factor (the conversion and division on the
+reduction stream, the converted copy released). The process is rank 0 of the world: at DP=4 it
+owns some items and not others, so it is both a sender and an owner.
 
 The control cases run the same engines with the stream order switched off (``streams_are_real``
-false: what the runtimes did before they stated any order) and must show violations, so the
-checker is shown to see the hazards this code would have. The first tests check the checker
-itself on hand-made orders.
+false: the plain waits on the current stream that the runtimes did before they stated any order)
+and must show violations, so the checker is shown to see the hazards this code would have. The
+first tests check the checker itself on hand-made orders.
+
+One spawned process runs every case (about 25 s here); the checker tests run in the test process.
 """
 
 from __future__ import annotations
@@ -37,18 +41,18 @@ NUMERICS = {"communication_data_type": "bf16", "gradient_predivide_factor": 2.0}
 
 CASES = {
     "stage1": {"stage": 1},
-    "stage1_compiled": {"stage": 1, "compiled": True},
+    "stage1_compile_streams": {"stage": 1, "compile_streams": True},
     "stage2": {"stage": 2},
-    "stage2_compiled": {"stage": 2, "compiled": True},
-    "stage2_compiled_bf16_communication": {"stage": 2, "compiled": True, "config": NUMERICS},
+    "stage2_compile_streams": {"stage": 2, "compile_streams": True},
+    "stage2_compile_streams_bf16_communication": {"stage": 2, "compile_streams": True, "config": NUMERICS},
     "stage3": {"stage": 3},
-    "stage3_compiled": {"stage": 3, "compiled": True},
-    "stage3_compiled_bf16_communication": {"stage": 3, "compiled": True, "config": NUMERICS},
-    "control_stage2_compiled": {"stage": 2, "compiled": True, "unordered": True},
+    "stage3_compile_streams": {"stage": 3, "compile_streams": True},
+    "stage3_compile_streams_bf16_communication": {"stage": 3, "compile_streams": True, "config": NUMERICS},
+    "control_stage2_compile_streams": {"stage": 2, "compile_streams": True, "unordered": True},
     "control_stage3": {"stage": 3, "unordered": True},
     # Last: DeepSpeed keeps the TP mesh of the first AutoTP engine for the rest of the process.
     "autotp": {"stage": 2, "tp": 2},
-    "autotp_compiled": {"stage": 2, "tp": 2, "compiled": True},
+    "autotp_compile_streams": {"stage": 2, "tp": 2, "compile_streams": True},
 }
 
 
@@ -106,7 +110,7 @@ def _run_case(case: dict) -> dict:
         with install_stream_model() as model:
             engine, batch, loss_of = _engine(case)
             zero = engine.optimizer
-            side_runs = _hooks_on_side_stream(model, zero) if case.get("compiled") else [0]
+            side_runs = _hooks_on_side_stream(model, zero) if case.get("compile_streams") else [0]
             for step in range(STEPS):
                 for micro in range(GA):
                     engine.backward(loss_of(engine, batch(step, micro)))
@@ -138,10 +142,12 @@ def stream_order_runs(rank: int, world_size: int, names: list[str]) -> dict[str,
 # --------------------------------------------------------------------------- the checker itself
 @pytest.fixture
 def model():
+    """The stand-in installed in this process, for hand-made orders (no process group needed)."""
     from stream_standin import install_stream_model
 
     with install_stream_model() as installed:
         yield installed
+    assert "record_stream" not in torch.Tensor.__dict__  # torch's own again, for the tests after this one
 
 
 def test_checker_sees_an_unordered_read_and_accepts_a_wait(model):
@@ -227,14 +233,14 @@ def test_runtime_orders_every_collective_and_buffer(runs, name):
     run = runs[name]
     assert run["violations"] == [], "\n".join(run["violations"])
     # The run did what it is checked for: every reduction on the reduction stream (none elsewhere),
-    # and, compiled, the side stream's hooks ran.
+    # and, with compile streams, the second stream's hooks ran.
     for kind, count in run["expected"].items():
         if kind == "all_to_all_single":
             assert run["collectives"].get(f"{kind} on default (compute)") == count, run["collectives"]
             continue
         assert run["collectives"].get(f"{kind} on {run['reduction_stream']}") == count, run["collectives"]
         assert sum(n for key, n in run["collectives"].items() if key.startswith(f"{kind} on ")) == count
-    if CASES[name].get("compiled"):
+    if CASES[name].get("compile_streams"):
         assert run["side_hook_runs"] > 0
     if CASES[name]["stage"] == 3:
         fetch_streams = {key for key in run["collectives"] if key.startswith("broadcast on stream")}
