@@ -48,6 +48,7 @@ import deepspeed.comm as dist
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, free_param
 
 from ds_canzona.zero.comm import CommCounter
+from ds_canzona.zero.streams import WriteMark
 
 # On an owner-placed parameter: its pieces ((start, stop, owner rank in the data-parallel group), ...)
 # in element order; a tensor owned whole is one piece.
@@ -110,6 +111,13 @@ class OwnerLayout:
         self.world_size = dist.get_world_size(group=group)
         self.counter = counter
         self.device = None
+        # The last writes of owners into their shards (on the compute stream), which a fetch on
+        # DeepSpeed's all-gather stream must not overtake (``ds_canzona.zero.streams``).
+        self._shard_writes = WriteMark()
+
+    def shards_written(self) -> None:
+        """The owners' shards were just written on the current stream: later fetches wait for that."""
+        self._shard_writes.record()
 
     # ------------------------------------------------------------------ conversion
     @torch.no_grad()
@@ -144,6 +152,7 @@ class OwnerLayout:
             param.ds_active_sub_modules.clear()
             free_param(param)
             param.ds_status = ZeroParamStatus.NOT_AVAILABLE
+        self.shards_written()
 
     def install(self, params: Iterable) -> None:
         """Put the routing closures on every ZeRO-3 parameter of the module (owner-placed or not)."""
@@ -211,6 +220,9 @@ class OwnerLayout:
         """Start one broadcast per piece from its owner into the full buffer (asynchronous)."""
         params = sorted(params, key=lambda p: p.ds_id)  # the same order on every rank
         works = []
+        # This runs on the stream that is current here (DeepSpeed's all-gather stream for the
+        # coordinator's fetches); the owners wrote their shards on the compute stream.
+        self._shard_writes.wait()
         for param in params:
             if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
                 raise RuntimeError(f"ds_canzona: fetching a ZeRO-3 parameter that is not released: {param.ds_summary()}")
@@ -243,6 +255,7 @@ class OwnerLayout:
                 # broadcast them first): each owner keeps its pieces of the new values.
                 for start, stop, offset in getattr(param, LOCAL_PIECES_ATTR):
                     param.ds_tensor[offset:offset + stop - start].copy_(full[start:stop])
+                self.shards_written()
             if free_data:
                 free_param(param)
         param.ds_status = ZeroParamStatus.NOT_AVAILABLE

@@ -28,6 +28,11 @@ Data flow per optimizer step:
                updates the items it owns (whole matrices, non-matrix tensors or their pieces),
                then one all-gather per bucket
 
+Where streams are real (CUDA) the reduce-scatters, with their conversion and pre-division, run on
+a reduction stream of this runtime that waits for every stream that wrote the bucket and for the
+collectives' ends itself; the compute stream waits for it once before the step
+(``ds_canzona.zero.streams``; docs/ARCHITECTURE.md, "Streams"). On the CPU that is all a no-op.
+
 A tensor whose gradient never arrives (unused on this rank, this step) counts as zero. One whose
 gradient arrives twice in one backward (reentrant activation checkpointing that uses it in two
 checkpointed segments) is accumulated, and the engine stops launching buckets before backward
@@ -48,11 +53,15 @@ from ds_canzona.zero.compat import at_accumulation_boundary
 from ds_canzona.zero.layout import BufferLayout
 from ds_canzona.zero.owned import GradientAfterReductionError, OwnedTensor
 from ds_canzona.zero.owner_runtime import OwnerRuntime
+from ds_canzona.zero.streams import StreamOrder
 
 # Stage 2 reduce-scatters launched and not yet waited on. One is not enough on a busy host: the
 # next bucket's gradients then wait inside backward for the previous collective (measured with
 # gloo on 2 cores: 1% slower per iteration than DeepSpeed's stage 2 at DP=3); each extra one
-# holds one more bucket of gradients.
+# holds one more bucket of gradients. Where streams are real (CUDA) the wait is queued on the
+# reduction stream, not on the host or the compute stream (``ds_canzona.zero.streams``): the limit
+# bounds the buckets this runtime holds, and a released bucket's memory is the caching allocator's
+# again once the reduction stream has passed the end of its collective.
 REDUCE_SCATTERS_IN_FLIGHT = 2
 
 
@@ -88,6 +97,8 @@ class CanzonaZeroOptimizer(OwnerRuntime):
         self._create_loss_scaler(static_loss_scale=static_loss_scale, dynamic_loss_scale=dynamic_loss_scale,
                                  dynamic_loss_args=dynamic_loss_args)
 
+        # Where streams are real, the reduce-scatters run on a reduction stream of their own.
+        self.streams = StreamOrder()
         self._index_tensors()
         self._build_buffers()
         self._owned = self._build_owned_state()
@@ -207,6 +218,7 @@ class CanzonaZeroOptimizer(OwnerRuntime):
         """Bucket b's flat gradient buffer, allocated (zeroed, with its per-param views) if absent."""
         flat = self.grad_flat[b]
         if flat is None:
+            self.streams.use(b)  # allocated and zeroed on the current stream
             flat = torch.zeros(self.layout.bucket_numel[b], dtype=self.reduction.accumulate_dtype, device=self.device)
             for i in self.bucket_tensors[b]:
                 start = self.tensor_offset[i]
@@ -215,6 +227,7 @@ class CanzonaZeroOptimizer(OwnerRuntime):
         return flat
 
     def _release_grad_bucket(self, b: int) -> None:
+        self.streams.forget(b)
         self.grad_flat[b] = None
         for i in self.bucket_tensors[b]:
             self.grad_views[i] = None
@@ -258,6 +271,8 @@ class CanzonaZeroOptimizer(OwnerRuntime):
         def hook(param: torch.Tensor) -> None:
             if self._bucket_launched(bucket):
                 raise GradientAfterReductionError(self._late_gradient_message(i))
+            # This hook's stream (the gradient's) may not be the one that last wrote the bucket.
+            self.streams.use(bucket)
             self._grad_bucket(bucket)
             self.grad_views[i].add_(param.grad)  # into the accumulation dtype (an exact widening, if any)
             param.grad = None
@@ -316,14 +331,18 @@ class CanzonaZeroOptimizer(OwnerRuntime):
     def _launch_bucket(self, b: int) -> None:
         flat = self._grad_bucket(b)  # a bucket with no gradient this step still takes part, as zeros
         reduction = self.reduction
-        send = flat if flat.dtype == reduction.communicate_dtype else flat.to(reduction.communicate_dtype)
+        # On the reduction stream, after every stream that wrote the bucket (no-op on a synchronised device).
+        with self.streams.on_side(b):
+            send = flat if flat.dtype == reduction.communicate_dtype else flat.to(reduction.communicate_dtype)
+            if reduction.pre_divide != 1.0:
+                send.div_(reduction.pre_divide)
+            handle = reduce_scatter_uneven(self.grad_segment[b], send, self.layout.bucket_cuts[b],
+                                           group=self.dp_process_group, counter=self.comm,
+                                           async_op=self.partition_gradients)
         if send is not flat and self.partition_gradients:
-            self._release_grad_bucket(b)  # the copy in the communication dtype carries the gradients now
-        if reduction.pre_divide != 1.0:
-            send.div_(reduction.pre_divide)
-        handle = reduce_scatter_uneven(self.grad_segment[b], send, self.layout.bucket_cuts[b],
-                                       group=self.dp_process_group, counter=self.comm,
-                                       async_op=self.partition_gradients)
+            # The copy in the communication dtype carries the gradients now; the reduction stream read the bucket.
+            self.streams.keep_alive(flat)
+            self._release_grad_bucket(b)
         if handle is not None:
             self._handles.append((b, handle, send))  # send stays alive until the collective is done
         if self.partition_gradients:
@@ -333,8 +352,9 @@ class CanzonaZeroOptimizer(OwnerRuntime):
                 self._complete_oldest()
 
     def _complete_oldest(self) -> None:
-        b, handle, _ = self._handles.pop(0)
-        handle.wait()
+        b, handle, send = self._handles.pop(0)
+        self.streams.wait(handle)  # on the reduction stream where streams are real: never the compute stream's wait
+        self.streams.keep_alive(send)
         if self.partition_gradients:
             self._release_grad_bucket(b)
 
@@ -349,6 +369,8 @@ class CanzonaZeroOptimizer(OwnerRuntime):
         self._launch_ready_buckets(all_remaining=True)
         while self._handles:
             self._complete_oldest()
+        # Not called from a gradient hook: at the end of backward or before the step, which reads the segments.
+        self.streams.compute_waits()
 
     def overlapping_partition_gradients_reduce_epilogue(self) -> None:
         """Engine hook after every backward under stage 2: flush at the boundary."""
@@ -381,8 +403,11 @@ class CanzonaZeroOptimizer(OwnerRuntime):
         self.refresh_params_from_masters()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for flat in self.grad_flat:
+        # The step has read the reduced segments; the next reduce-scatters write them again.
+        self.streams.side_waits()
+        for b, flat in enumerate(self.grad_flat):
             if flat is not None:
+                self.streams.use(b)
                 flat.zero_()
         for p in self.params:
             p.grad = None

@@ -32,6 +32,12 @@ Data flow per optimizer step:
                squared norms (overflow + clipping); each rank updates what it owns; the result
                is written into its shard. No other collective.
 
+Where streams are real (CUDA) the reduces and the owner's accumulation run on a reduction stream
+of this runtime (after the stream each gradient came on; it waits for the collectives itself),
+the compute stream waits for it once before the step, and the next fetch, issued on DeepSpeed's
+all-gather stream, waits for an event recorded after the owners wrote their shards
+(``ds_canzona.zero.streams``; docs/ARCHITECTURE.md). On the CPU that is all a no-op.
+
 Non-matrix tensors use the same owner layout: whole up to ``canzona.split_numel`` elements,
 above it in the canonical pieces of ``ds_canzona.plan.piece_bounds``, each piece owned like a
 tensor. That was chosen over DeepSpeed's even layout by measurement and by contract
@@ -58,8 +64,11 @@ from ds_canzona.zero.comm import check_digest_agreement
 from ds_canzona.zero.owned import GradientAfterReductionError, OwnedTensor
 from ds_canzona.zero.owner_placement import LOCAL_PIECES_ATTR, OwnerLayout
 from ds_canzona.zero.owner_runtime import OwnerRuntime
+from ds_canzona.zero.streams import StreamOrder
 
-# Reduces launched and not yet waited on during backward; each holds one tensor's gradient.
+# Reduces launched and not yet waited on during backward; each holds one tensor's gradient. Where
+# streams are real (CUDA) the wait is queued on the reduction stream, not on the host or the
+# compute stream (``ds_canzona.zero.streams``).
 REDUCES_IN_FLIGHT = 4
 
 
@@ -107,6 +116,8 @@ class CanzonaZero3Optimizer(OwnerRuntime):
             p for p in self.parameter_offload.persistent_parameters if id(p) not in placed]
 
         self._owned = self._build_owned_state()
+        # Where streams are real, the reduces and the owner's accumulation run on a reduction stream.
+        self.streams = StreamOrder()
         self._accumulated: list[torch.Tensor | None] = [None] * len(self.plan.specs)  # per item, on its owner
         self._local: list[torch.Tensor | None] = [None] * len(self.params)  # this backward, not yet sent
         self._arrivals = [0] * len(self.params)
@@ -167,6 +178,8 @@ class CanzonaZero3Optimizer(OwnerRuntime):
                     "checkpointed segment; use non-reentrant checkpointing (use_reentrant=False).")
             grad = param.grad
             param.grad = None
+            # This hook's stream (the gradient's) may not be the one an earlier gradient of it came on.
+            self.streams.use(i)
             if self._local[i] is None:
                 self._local[i] = grad
             else:
@@ -192,36 +205,49 @@ class CanzonaZero3Optimizer(OwnerRuntime):
         reduction = self.reduction
         grad = self._local[i]
         self._local[i] = None
-        if grad is None:  # no gradient on this rank in this backward: it takes part as zeros
-            grad = torch.zeros(self.logical_shapes[i], dtype=reduction.communicate_dtype, device=self.device)
-        send = grad.to(reduction.communicate_dtype)
-        if reduction.pre_divide != 1.0:
-            send = send / reduction.pre_divide if send is grad else send.div_(reduction.pre_divide)
-        flat = send.reshape(-1)
-        for item in self._tensor_items[i]:
-            _, start, stop = self.plan.pieces[item]
-            piece = flat[start:stop]
-            owner = self.plan.owner[item]
-            self.comm.add("reduce", piece.numel() * piece.element_size())
-            work = dist.reduce(piece, dst=dist.get_global_rank(self.dp_process_group, owner),
-                               group=self.dp_process_group, async_op=True)
-            self._inflight.append((item, work, piece))
+        # On the reduction stream, after the stream(s) the gradient came on (no-op on a synchronised device).
+        with self.streams.on_side(i):
+            if grad is None:  # no gradient on this rank in this backward: it takes part as zeros
+                grad = torch.zeros(self.logical_shapes[i], dtype=reduction.communicate_dtype, device=self.device)
+            send = grad.to(reduction.communicate_dtype)
+            if reduction.pre_divide != 1.0:
+                send = send / reduction.pre_divide if send is grad else send.div_(reduction.pre_divide)
+            flat = send.reshape(-1)
+            for item in self._tensor_items[i]:
+                _, start, stop = self.plan.pieces[item]
+                piece = flat[start:stop]
+                owner = self.plan.owner[item]
+                self.comm.add("reduce", piece.numel() * piece.element_size())
+                work = dist.reduce(piece, dst=dist.get_global_rank(self.dp_process_group, owner),
+                                   group=self.dp_process_group, async_op=True)
+                self._inflight.append((item, work, piece))
+        self.streams.forget(i)
+        if send is not grad:
+            self.streams.keep_alive(grad)  # read by the reduction stream; the pieces in flight hold the copy
         while len(self._inflight) > REDUCES_IN_FLIGHT:
             self._complete_oldest()
 
     def _complete_oldest(self) -> None:
         item, work, send = self._inflight.pop(0)
-        work.wait()
-        if self.plan.owner[item] != self.rank:
-            return
-        if self._accumulated[item] is None:
-            self._accumulated[item] = send.to(self.reduction.accumulate_dtype, copy=True)
-        else:
-            self._accumulated[item].add_(send)
+        self.streams.wait(work)  # on the reduction stream where streams are real: never the compute stream's wait
+        if self.plan.owner[item] == self.rank:
+            # The owner's accumulator lives on the reduction stream until the step.
+            with self.streams.on_side():
+                if self._accumulated[item] is None:
+                    self._accumulated[item] = send.to(self.reduction.accumulate_dtype, copy=True)
+                else:
+                    self._accumulated[item].add_(send)
+        self.streams.keep_alive(send)
 
     def _wait_reductions(self) -> None:
+        """Every reduce in flight completed (where streams are real: queued on the reduction stream)."""
         while self._inflight:
             self._complete_oldest()
+
+    def _reduced_gradients_ready(self) -> None:
+        """Before the owners' accumulators are read off the reduction stream: the compute stream waits for it."""
+        self._wait_reductions()
+        self.streams.compute_waits()
 
     def overlapping_partition_gradients_reduce_epilogue(self) -> None:
         """Engine hook after every backward at stage 3 (on every rank): reduce what is left of it.
@@ -245,7 +271,7 @@ class CanzonaZero3Optimizer(OwnerRuntime):
     # ------------------------------------------------------------------ step
     def owned_gradients(self) -> dict[str, torch.Tensor]:
         """The averaged (unclipped) fp32 gradients of the owned tensors, for tests and tools."""
-        self._wait_reductions()
+        self._reduced_gradients_ready()
         return {t.name: self._averaged_grad(t.index) for t in self._owned}
 
     def _averaged_grad(self, item: int, *, consume: bool = False) -> torch.Tensor:
@@ -258,7 +284,7 @@ class CanzonaZero3Optimizer(OwnerRuntime):
         return self._unscaled(accumulated.to(torch.float32, copy=not consume).view(shape))
 
     def _step_gradients(self) -> tuple[list[int], list[torch.Tensor]]:
-        self._wait_reductions()
+        self._reduced_gradients_ready()
         # Nothing stays gathered across the update: the next forward fetches the new values.
         self.parameter_offload.partition_all_parameters()
         return [t.index for t in self._owned], [self._averaged_grad(t.index, consume=True) for t in self._owned]
@@ -277,8 +303,14 @@ class CanzonaZero3Optimizer(OwnerRuntime):
             shard = self.item_shard(t.index)
             if t.master.data_ptr() != shard.data_ptr():  # fp32: the master is the shard itself
                 shard.copy_(t.master)
+        # The next fetch broadcasts the shards from DeepSpeed's all-gather stream: it waits for these
+        # writes (and, fp32, for the update that wrote the shard in place).
+        self.layout.shards_written()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        # The step has read the accumulators (compute stream); they are dropped here and the next
+        # backward's reduces reuse their memory from the reduction stream.
+        self.streams.side_waits()
         self._accumulated = [None] * len(self.plan.specs)
         for p in self.params:
             p.grad = None

@@ -15,8 +15,15 @@ Split sizes may be zero (a rank past the KV-head count holds an empty slice; a r
 nothing in a group receives nothing). The exchange is pipelined: the gather of group k+1 is
 launched before group k is computed, and the scatter of group k is completed only after group k+1
 has been launched, so on a backend with asynchronous collectives the communication of one group
-runs behind the computation of another. On NCCL an asynchronous collective runs on the
-communicator's own stream and waits for the work queued before it, so no extra stream is needed.
+runs behind the computation of another.
+
+Streams (CUDA): the exchange runs inside the optimizer step, on the compute stream. An
+asynchronous NCCL collective starts after the work queued so far on the stream that issues it
+(the slices it sends were written there), and its ``wait()``, called on that same stream before
+the received slices are read, orders the stream after it; the send and receive buffers stay
+referenced until then. So no stream of its own is needed, and no wait runs in a backward hook
+(tests/test_stream_order.py checks the order). On NCCL ``wait()`` does not block the host, so
+``wait_seconds`` measures the blocked time on gloo only.
 
 Every rank of the TP group walks the groups in the same order and issues the same collectives,
 whatever it hosts.

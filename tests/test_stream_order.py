@@ -1,0 +1,254 @@
+"""Stream order of the ZeRO runtimes, checked on the CPU against a stream-recording stand-in accelerator.
+
+On the CPU every stream, event and wait is a no-op, so no ordering mistake can show in the other
+tests. Here DeepSpeed's engines run with ``tests/stream_standin.py``'s accelerator, which reports
+real streams and models CUDA's and NCCL's order (see that module), in one process acting as rank 0
+of a 4-rank world on torch's fake process group (``tests/fake_world.py``). Every torch operation
+and collective of two optimizer steps with two micro-batches each is recorded with its stream, and
+the run must show no access to a tensor storage unordered with a conflicting one on another stream
+or collective (every bucket, every reduce to an owner, every fetch of a shard, every micro-group
+of the TP exchange), no storage freed while another stream may still use it, and no
+``work.wait()`` inside backward with a compute stream current.
+
+Cases: ZeRO stages 1, 2 and 3 at DP=4, and AutoTP at TP=2 x DP=2 (stage 2), each on one stream
+and with "compile streams". torch.compile on a GPU runs backward ops on streams of its own, and
+autograd runs a parameter's hooks on the stream of the op that produced its gradient; on the CPU
+inductor uses no streams at all (a real compile exercises no other stream here), so that is
+simulated: every other parameter's gradient is produced on a second compute stream of the
+stand-in, and its hook runs there (``StreamModel.gradient_from``). Stages 2 and 3 also run with
+``communication_data_type`` bf16 and a predivide factor (the conversion and division on the
+reduction stream, the converted copy released). The process is rank 0 of the world: at DP=4 it
+owns some items and not others, so it is both a sender and an owner.
+
+The control cases run the same engines with the stream order switched off (``streams_are_real``
+false: the plain waits on the current stream that the runtimes did before they stated any order)
+and must show violations, so the checker is shown to see the hazards this code would have. The
+first tests check the checker itself on hand-made orders.
+
+One spawned process runs every case (about 25 s here); the checker tests run in the test process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run_ranks
+
+RANK, WORLD = 0, 4
+STEPS, GA = 2, 2
+NUMERICS = {"communication_data_type": "bf16", "gradient_predivide_factor": 2.0}
+
+CASES = {
+    "stage1": {"stage": 1},
+    "stage1_compile_streams": {"stage": 1, "compile_streams": True},
+    "stage2": {"stage": 2},
+    "stage2_compile_streams": {"stage": 2, "compile_streams": True},
+    "stage2_compile_streams_bf16_communication": {"stage": 2, "compile_streams": True, "config": NUMERICS},
+    "stage3": {"stage": 3},
+    "stage3_compile_streams": {"stage": 3, "compile_streams": True},
+    "stage3_compile_streams_bf16_communication": {"stage": 3, "compile_streams": True, "config": NUMERICS},
+    "control_stage2_compile_streams": {"stage": 2, "compile_streams": True, "unordered": True},
+    "control_stage3": {"stage": 3, "unordered": True},
+    # Last: DeepSpeed keeps the TP mesh of the first AutoTP engine for the rest of the process.
+    "autotp": {"stage": 2, "tp": 2},
+    "autotp_compile_streams": {"stage": 2, "tp": 2, "compile_streams": True},
+}
+
+
+# --------------------------------------------------------------------------- rank side (one spawned process)
+def _engine(case: dict):
+    """(engine, micro-batch function, loss function) for a case, on rank 0 of the fake world."""
+    if case.get("tp"):
+        import tp_workers
+        config = tp_workers.ds_config(tp=case["tp"], dp=WORLD // case["tp"], stage=case["stage"], ga=GA, canzona={},
+                                      optimizer={"type": "Muon", "params": {"lr": 0.02, "adam_lr": 0.003}})
+        engine = tp_workers._initialize(config, tp_workers.make_qwen3())
+        return engine, lambda step, micro: tp_workers.tokens(step, micro, RANK // case["tp"]), tp_workers.lm_loss
+    import zero_workers
+    from tiny_model import batches
+    config = zero_workers.make_config(WORLD, stage=case["stage"], gradient_accumulation_steps=GA,
+                                      **case.get("config", {}))
+    engine = zero_workers.init_engine(config)
+    return engine, lambda step, micro: batches(step, micro, RANK, WORLD), lambda engine, batch: engine(batch)
+
+
+def _hooks_on_side_stream(model, zero) -> list[int]:
+    """Every other parameter's gradient produced on a second compute stream, its hook run there; returns a counter."""
+    side = model.compute_stream("compiled backward stream")
+    runs = [0]
+    for i, param in enumerate(zero.params):
+        if i % 2 == 0:
+            continue
+        zero._hook_handles[i].remove()
+        hook = zero._make_grad_hook(i)
+
+        def on_side(p, hook=hook):
+            runs[0] += 1
+            with model.gradient_from(side, p):
+                hook(p)
+
+        zero._hook_handles[i] = param.register_post_accumulate_grad_hook(on_side)
+    return runs
+
+
+def _expected(zero, case: dict) -> dict:
+    """What the reduction stream must have issued in the run: one collective per bucket (or item) and reduction."""
+    if case["stage"] == 3:
+        return {"reduce": len(zero.plan.specs) * STEPS * GA}
+    return {"reduce_scatter": len(zero.plan.buckets) * STEPS}
+
+
+def _run_case(case: dict) -> dict:
+    import ds_canzona.zero.streams as streams
+    from stream_standin import install_stream_model
+
+    real = streams.streams_are_real
+    if case.get("unordered"):
+        streams.streams_are_real = lambda: False
+    try:
+        with install_stream_model() as model:
+            engine, batch, loss_of = _engine(case)
+            zero = engine.optimizer
+            side_runs = _hooks_on_side_stream(model, zero) if case.get("compile_streams") else [0]
+            for step in range(STEPS):
+                for micro in range(GA):
+                    engine.backward(loss_of(engine, batch(step, micro)))
+                    engine.step()
+            reduction = getattr(getattr(zero, "streams", None), "side", None)
+            result = {
+                "violations": list(model.violations),
+                "collectives": {f"{kind} on {stream}": n for (kind, stream), n in model.collectives.items()},
+                "reduction_stream": reduction.timeline.name if reduction is not None else None,
+                "expected": _expected(zero, case),
+                "side_hook_runs": side_runs[0],
+                "stream_calls": dict(model.events),
+            }
+            if case.get("tp"):
+                # The masters' gather at start-up, then a gather and a scatter per micro-group and step.
+                result["expected"]["all_to_all_single"] = len(zero.exchange.groups) * (1 + 2 * STEPS)
+    finally:
+        streams.streams_are_real = real
+    return result
+
+
+def stream_order_runs(rank: int, world_size: int, names: list[str]) -> dict[str, dict]:
+    from fake_world import fake_world
+
+    with fake_world(RANK, WORLD):
+        return {name: _run_case(CASES[name]) for name in names}
+
+
+# --------------------------------------------------------------------------- the checker itself
+@pytest.fixture
+def model():
+    """The stand-in installed in this process, for hand-made orders (no process group needed)."""
+    from stream_standin import install_stream_model
+
+    with install_stream_model() as installed:
+        yield installed
+    assert "record_stream" not in torch.Tensor.__dict__  # torch's own again, for the tests after this one
+
+
+def test_checker_sees_an_unordered_read_and_accepts_a_wait(model):
+    from deepspeed.accelerator import get_accelerator
+
+    side = model.new_stream("side")
+    x, y, z = torch.zeros(8), torch.zeros(8), torch.zeros(8)
+    side.wait_stream(model.default)  # after the allocations
+    with model.on_stream(side):
+        x.add_(1)
+    _ = x * 2  # the default stream reads what the side stream wrote, unordered
+    assert len(model.violations) == 1 and model.violations[0].startswith("race: mul on default"), model.violations
+
+    with model.on_stream(side):
+        y.add_(1)
+    model.default.wait_stream(side)
+    _ = y * 2
+    with model.on_stream(side):
+        z.add_(1)
+        marker = get_accelerator().Event()
+        marker.record()  # on the current stream: the side stream
+    model.default.wait_event(marker)
+    _ = z * 2
+    assert len(model.violations) == 1, model.violations
+
+
+def test_checker_sees_memory_freed_under_another_stream(model):
+    side = model.new_stream("side")
+    x, y = torch.zeros(16), torch.zeros(16)  # allocated on the default stream
+    side.wait_stream(model.default)
+    with model.on_stream(side):
+        x.mul_(2)
+    del x
+    torch.ones(1)  # the next event: the allocator would have handed the memory out
+    assert len(model.violations) == 1 and model.violations[0].startswith("freed while in use"), model.violations
+    with model.on_stream(side):
+        y.mul_(2)
+    y.record_stream(side)
+    del y
+    torch.ones(1)
+    assert len(model.violations) == 1, model.violations
+
+
+def test_checker_orders_collectives_and_sees_waits_in_backward(model):
+    side = model.new_stream("side")
+    t = torch.ones(4)
+    side.wait_stream(model.default)
+    with model.on_stream(side):
+        t.mul_(3)
+    work = torch.distributed.all_reduce(t, async_op=True)  # issued on the default stream: not after the side write
+    assert model.violations[-1].startswith("race: all_reduce"), model.violations
+    with model.on_stream(side):
+        work.wait()
+    _ = t + 1  # the default stream did not wait for the collective
+    assert len(model.violations) == 2 and model.violations[-1].startswith("race: add on default"), model.violations
+    model.default.wait_stream(side)
+    _ = t + 2
+    assert len(model.violations) == 2
+
+    u = torch.ones(4)
+    param = torch.nn.Parameter(torch.ones(3))
+
+    def hook(p):
+        torch.distributed.all_reduce(u, async_op=True).wait()
+
+    param.register_post_accumulate_grad_hook(hook)
+    (param * 2).sum().backward()
+    assert model.violations[-1].startswith("compute waits in backward"), model.violations
+
+
+# --------------------------------------------------------------------------- the runtimes
+@pytest.fixture(scope="module")
+def runs() -> dict[str, dict]:
+    (result,) = run_ranks(stream_order_runs, 1, list(CASES), timeout=900)
+    return result
+
+
+ORDERED = [name for name, case in CASES.items() if not case.get("unordered")]
+
+
+@pytest.mark.parametrize("name", ORDERED)
+def test_runtime_orders_every_collective_and_buffer(runs, name):
+    run = runs[name]
+    assert run["violations"] == [], "\n".join(run["violations"])
+    # The run did what it is checked for: every reduction on the reduction stream (none elsewhere),
+    # and, with compile streams, the second stream's hooks ran.
+    for kind, count in run["expected"].items():
+        if kind == "all_to_all_single":
+            assert run["collectives"].get(f"{kind} on default (compute)") == count, run["collectives"]
+            continue
+        assert run["collectives"].get(f"{kind} on {run['reduction_stream']}") == count, run["collectives"]
+        assert sum(n for key, n in run["collectives"].items() if key.startswith(f"{kind} on ")) == count
+    if CASES[name].get("compile_streams"):
+        assert run["side_hook_runs"] > 0
+    if CASES[name]["stage"] == 3:
+        fetch_streams = {key for key in run["collectives"] if key.startswith("broadcast on stream")}
+        assert fetch_streams, run["collectives"]  # DeepSpeed's all-gather stream fetched the shards
+
+
+@pytest.mark.parametrize("name", [name for name, case in CASES.items() if case.get("unordered")])
+def test_without_stream_order_the_same_runs_have_hazards(runs, name):
+    violations = runs[name]["violations"]
+    assert any(v.startswith("compute waits in backward") for v in violations), violations
+    assert any(v.startswith("race") for v in violations), violations
