@@ -15,9 +15,10 @@ would fail with a bare FileNotFoundError. Two pieces make them work instead:
   the index) stays DeepSpeed's. ``import ds_canzona`` installs it when DeepSpeed's engine is
   imported (``ds_canzona/__init__.py``); a process that never imports ds_canzona keeps
   DeepSpeed's error.
-- ``write_recovery_scripts`` puts a ``zero_to_fp32.py`` and a ``zero_to_torch.py`` into the save
-  directory at every ``engine.save_checkpoint``, as DeepSpeed does: DeepSpeed's command lines,
-  which import ds_canzona and then run DeepSpeed's conversion.
+- ``main`` is the entry of the ``zero_to_fp32.py`` and ``zero_to_torch.py`` that every
+  ``engine.save_checkpoint`` writes into the save directory, as DeepSpeed does
+  (``ds_canzona.zero.checkpoint.recovery_scripts``): DeepSpeed's command lines, which import
+  ds_canzona and then run DeepSpeed's conversion.
 
 Nothing from DeepSpeed or torch is imported at the top: this module is loaded while DeepSpeed's
 engine module is still being imported.
@@ -33,25 +34,6 @@ import sys
 _DEEPSPEED_MODULE = "deepspeed.utils.zero_to_fp32"
 _READER = "_get_fp32_state_dict_from_zero_checkpoint"
 _MANIFEST = "canzona_meta.pt"  # format.META_FILE (a test checks they agree); not imported here, see above
-SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
-
-_SCRIPT = '''#!/usr/bin/env python
-"""{name}, written by ds_canzona's engine.save_checkpoint where DeepSpeed writes its script of this name.
-
-The same command line as DeepSpeed's, on ds_canzona's checkpoint format: it imports ds_canzona,
-which lets DeepSpeed's conversion read the format, and runs that conversion. For example:
-
-    python {name} CHECKPOINT_DIR OUTPUT_DIR{example}
-
-`ds-canzona consolidate CHECKPOINT_DIR OUTPUT_DIR` writes the same weights (model.safetensors),
-and the optimizer state too with --optimizer-states.
-"""
-import sys
-
-from ds_canzona.zero.deepspeed_tools import main
-
-sys.exit(main({kind!r}))
-'''
 
 
 def is_canzona_checkpoint(tag_dir: str) -> bool:
@@ -93,28 +75,6 @@ def install_deepspeed_tools(module=None) -> bool:
     return True
 
 
-def write_recovery_scripts(save_dir: str) -> None:
-    """``zero_to_fp32.py`` and ``zero_to_torch.py`` in ``save_dir``, executable, as DeepSpeed leaves them."""
-    from ds_canzona.zero.checkpoint.files import atomic_write
-
-    examples = {"fp32": " [--safe_serialization] [--max_shard_size 5GB] [-t TAG]",
-                "torch": " --dtype bf16 [--safe_serialization] [-t TAG]"}
-    for name in SCRIPTS:
-        kind = "fp32" if name == "zero_to_fp32.py" else "torch"
-        text = _SCRIPT.format(name=name, kind=kind, example=examples[kind])
-
-        def write(path: str, text: str = text) -> None:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text)
-
-        path = os.path.join(save_dir, name)
-        atomic_write(path, write)
-        try:
-            os.chmod(path, os.stat(path).st_mode | 0o111)
-        except OSError:  # a file share may refuse it; `python zero_to_fp32.py` still works
-            pass
-
-
 def _parser(kind: str, dtype_names) -> argparse.ArgumentParser:
     """DeepSpeed 0.19.8's command line of zero_to_fp32.py ("fp32") or zero_to_torch.py ("torch")."""
     parser = argparse.ArgumentParser(description="Write the consolidated weights of a ds_canzona (or DeepSpeed) "
@@ -150,4 +110,4 @@ def main(kind: str, argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["SCRIPTS", "install_deepspeed_tools", "is_canzona_checkpoint", "main", "write_recovery_scripts"]
+__all__ = ["install_deepspeed_tools", "is_canzona_checkpoint", "main"]

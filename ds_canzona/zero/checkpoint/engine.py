@@ -29,7 +29,7 @@ from ds_canzona.zero.checkpoint.frozen import (check_value, digest, gather_to_cp
                                                write_full_value)
 from ds_canzona.zero.checkpoint.hf_config import hf_config_files
 from ds_canzona.zero.checkpoint.reader import Checkpoint
-from ds_canzona.zero.deepspeed_tools import write_recovery_scripts
+from ds_canzona.zero.checkpoint.recovery_scripts import write_recovery_scripts
 
 logger = logging.getLogger("ds_canzona")
 
