@@ -228,10 +228,12 @@ class OwnerRuntime(ZeROOptimizer):
         tensor at ZeRO-1/2); the keys are the rule's (``step``, ``exp_avg``, ``exp_avg_sq``,
         ``momentum_buffer``: DeepSpeed's names, same meaning; Shampoo's and SOAP's statistics).
         The tensors are the live fp32 state, as torch's ``state_dict`` gives them: clone to keep.
-        Other ranks' tensors are theirs: the whole state is ``engine.save_checkpoint``'s.
+        ``rank`` and ``world_size`` are the data-parallel group's; under AutoTP a sliced tensor's
+        entry is the slice this rank keeps. No collective: any rank may call it alone. Other
+        ranks' tensors are theirs: the whole state is ``engine.save_checkpoint``'s.
         """
-        rank, world_size, _ = self.checkpoint_ranks()
-        owned = self.checkpoint_items()
+        rank, world_size = self.rank, self.world_size
+        owned = self.owned_tensors()
         groups = []
         for group in self.optimizer.param_groups:
             settings = {k: v for k, v in group.items() if k not in ("params", "param_names")}
