@@ -14,7 +14,10 @@ spawned run:
   directly (the consolidated files), not through load_checkpoint;
 * a save at that size after 2 of them, loaded into a fresh engine, continues exactly as the run
   that never stopped (stage 1 at DP=2, stage 2 at DP=3);
-* the DP=2 save, consolidated, drives the single-process optimizer to the same parameters.
+* the DP=2 save, consolidated, drives the single-process optimizer to the same parameters;
+* DeepSpeed's own tools read the DP=4 and DP=2 saves: its zero_to_fp32 functions (wrapped by
+  ``import ds_canzona``) and the zero_to_fp32.py / zero_to_torch.py each save leaves beside its tags;
+* ``engine.optimizer.state_dict()`` (and the wrapped optimizer's) is each rank's owned state.
 
 Failures (own processes, killed on purpose): SIGKILL during a save leaves the previous
 checkpoint, which resumes losing no committed step; a rank SIGKILLed in training, and one that
