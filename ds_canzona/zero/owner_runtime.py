@@ -220,7 +220,9 @@ class OwnerRuntime(ZeROOptimizer):
 
     # ------------------------------------------------------------------ the torch state API
     def state_dict(self) -> dict:
-        """This rank's owned optimizer state, by name, for reading (docs/CHECKPOINTS.md, "Optimizer state through the torch API").
+        """This rank's owned optimizer state, by name, for reading.
+
+        docs/CHECKPOINTS.md, "Optimizer state through the torch API", says why and how.
 
         ``{"state": {name: {key: tensor}}, "param_groups": [{**settings, "params": [names]}],
         "rank": r, "world_size": n}``: one entry per item this rank owns and updates, named as the
