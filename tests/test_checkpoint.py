@@ -384,7 +384,8 @@ def test_the_torch_state_api_describes_each_ranks_owned_state(saved):
         assert all(refusal and "engine.load_checkpoint" in refusal for refusal in api["load_refusals"])
     # Every rank's owned items together are the whole model's, each once.
     assert sum(len(r["torch_state_api"]["runtime"]["state"]) for r in results) == len(every_name)
-    assert any("momentum_buffer" in entry for r in results for entry in r["torch_state_api"]["runtime"]["state"].values())
+    described = [entry for r in results for entry in r["torch_state_api"]["runtime"]["state"].values()]
+    assert any("momentum_buffer" in entry for entry in described)
 
 
 def test_bad_checkpoints_fail_on_every_rank(resharded, bad_copies):

@@ -77,7 +77,8 @@ def _adam_class_kwargs(type_name: str, params: dict[str, Any]) -> dict[str, Any]
         allowed, class_name, default_decay = _TORCH_ADAM_KEYS, "torch.optim.Adam", 0.0
         decoupled = params.pop("decoupled_weight_decay", False)
         if not isinstance(decoupled, bool):
-            raise CanzonaConfigError(f"optimizer.params.decoupled_weight_decay must be true or false, got {decoupled!r}")
+            raise CanzonaConfigError(f"optimizer.params.decoupled_weight_decay must be true or false, "
+                                     f"got {decoupled!r}")
         w_mode = decoupled  # torch.optim.Adam(decoupled_weight_decay=True) is AdamW, with Adam's default decay
     else:
         allowed, class_name, default_decay = _FUSED_ADAM_KEYS, "FusedAdam", _FUSED_ADAM_WEIGHT_DECAY
