@@ -1,7 +1,8 @@
 """ds_canzona: atomic, load-balanced matrix optimizers (Muon, Shampoo, SOAP) for DeepSpeed ZeRO.
 
 ``import ds_canzona`` registers the DeepSpeed engine hook (``ds_canzona.zero.hook``), so that a
-config with a ``canzona`` section builds ds_canzona's ZeRO-1/2 optimizer. The hook is installed
+config with a ``canzona`` section builds ds_canzona's ZeRO-1/2 optimizer, and lets DeepSpeed's
+``zero_to_fp32`` functions read ds_canzona checkpoints (``ds_canzona.zero.deepspeed_tools``). The hook is installed
 when DeepSpeed's engine module is imported, not here: importing ds_canzona stays cheap (the
 planner CLI never loads torch or DeepSpeed), and the import order of the two packages does not
 matter.
@@ -19,8 +20,11 @@ _ENGINE_MODULE = "deepspeed.runtime.engine"
 
 
 def _install(module) -> None:
+    from ds_canzona.zero.deepspeed_tools import install_deepspeed_tools
     from ds_canzona.zero.hook import install_engine_hook
     install_engine_hook(module.DeepSpeedEngine)
+    # DeepSpeed's engine module has imported its zero_to_fp32 by now: let it read our checkpoints.
+    install_deepspeed_tools()
 
 
 class _PatchAfterExec(importlib.abc.Loader):

@@ -175,10 +175,28 @@ def save_run(rank: int, world_size: int, config: dict, save_dir: str, steps: int
     engine.save_checkpoint(save_dir, tag=f"dp{world_size}", client_state={"note": "hello", "ids": torch.arange(3)})
     result = snapshot(engine)
     zero = engine.optimizer
+    result["torch_state_api"] = torch_state_api(zero)
     static, zero.loss_scaler = zero.loss_scaler, dynamic_scaler(**SCALER_STATE)
     engine.save_checkpoint(save_dir, tag="scaler", save_latest=False)
     zero.loss_scaler = static
     return result
+
+
+def torch_state_api(zero) -> dict:
+    """What the torch state API of the runtime and of the optimizer it wraps says (tensors cloned)."""
+    def cloned(state_dict):
+        state = {name: {k: v.clone() for k, v in entry.items()} for name, entry in state_dict["state"].items()}
+        return {**state_dict, "state": state}
+
+    refusals = []
+    for optimizer in (zero, zero.optimizer):
+        try:
+            optimizer.load_state_dict(optimizer.state_dict())
+            refusals.append(None)
+        except NotImplementedError as error:
+            refusals.append(str(error))
+    return {"runtime": cloned(zero.state_dict()), "basic": cloned(zero.optimizer.state_dict()),
+            "load_refusals": refusals}
 
 
 def load_owned(rank: int, world_size: int, config: dict, save_dir: str) -> dict:

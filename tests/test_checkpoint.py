@@ -14,7 +14,10 @@ spawned run:
   directly (the consolidated files), not through load_checkpoint;
 * a save at that size after 2 of them, loaded into a fresh engine, continues exactly as the run
   that never stopped (stage 1 at DP=2, stage 2 at DP=3);
-* the DP=2 save, consolidated, drives the single-process optimizer to the same parameters.
+* the DP=2 save, consolidated, drives the single-process optimizer to the same parameters;
+* DeepSpeed's own tools read the DP=4 and DP=2 saves: its zero_to_fp32 functions (wrapped by
+  ``import ds_canzona``) and the zero_to_fp32.py / zero_to_torch.py each save leaves beside its tags;
+* ``engine.optimizer.state_dict()`` (and the wrapped optimizer's) is each rank's owned state.
 
 Failures (own processes, killed on purpose): SIGKILL during a save leaves the previous
 checkpoint, which resumes losing no committed step; a rank SIGKILLed in training, and one that
@@ -23,6 +26,7 @@ hangs, make the others fail within canzona.comm_timeout_s.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -287,6 +291,101 @@ def test_pieces_load_from_a_whole_tensor_checkpoint(resharded, workdir):
     assert any(PIECE.match(name) for name in loaded)
     expected = {n: {"master": model[n], **s} for n, s in states.items()}
     assert_equal_dicts(by_tensor(loaded), by_tensor(expected), "pieces read from whole tensors")
+
+
+# ----------------------------------------------------------------------------- DeepSpeed's own tools
+
+
+def test_deepspeeds_zero_to_fp32_functions_read_our_checkpoints(saved, resharded, workdir):
+    """get_fp32_state_dict_from_zero_checkpoint & co. (wrapped by import ds_canzona) on a DP=4 and a DP=2 save."""
+    import deepspeed.utils.zero_to_fp32 as zero_to_fp32
+    from ds_canzona.zero.checkpoint import META_FILE, CheckpointError
+    from ds_canzona.zero.deepspeed_tools import _MANIFEST
+
+    assert _MANIFEST == META_FILE
+    save_dir, results = saved
+    # The engine's own parameters at the save (fp32 model: they are the masters), DeepSpeed's reading of them.
+    theirs = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(save_dir)  # tag from 'latest'
+    engine_module = results[0]["module"]
+    assert theirs.keys() == engine_module.keys()
+    assert all(torch.equal(theirs[k], engine_module[k]) for k in theirs)
+    lazy = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(save_dir, tag="dp4", lazy_mode=True)
+    assert all(torch.equal(lazy[k].contiguous(), theirs[k]) for k in theirs)
+
+    resharded(2)  # writes mid2 from a 2-rank engine
+    mid2 = str(workdir / "mid2")
+    model = zero_to_fp32.load_state_dict_from_zero_checkpoint(make_ckpt_model(seed=5), mid2)
+    ours = fp32_state_dict_from_checkpoint(mid2)
+    assert_equal_dicts(model.state_dict(), ours, "load_state_dict_from_zero_checkpoint")
+    out = str(workdir / "deepspeed_convert")
+    zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(mid2, out, max_shard_size="4KB")
+    with open(os.path.join(out, "pytorch_model.bin.index.json")) as f:
+        files = set(json.load(f)["weight_map"].values())
+    converted = {k: v for name in files for k, v in torch.load(os.path.join(out, name), weights_only=True).items()}
+    assert len(files) > 1 and converted.keys() == ours.keys()
+    assert_equal_dicts(converted, ours, "convert_zero_checkpoint_to_fp32_state_dict")
+
+    with pytest.raises(CheckpointError, match="exclude_frozen_parameters"):
+        zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(mid2, exclude_frozen_parameters=True)
+    # A folder of DeepSpeed's own format (here: none at all) still goes to DeepSpeed's code.
+    os.makedirs(workdir / "not_ours" / "tag", exist_ok=True)
+    with pytest.raises(FileNotFoundError, match="model_states"):
+        zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(workdir / "not_ours"), tag="tag")
+
+
+def test_the_recovery_scripts_in_the_save_dir_take_deepspeeds_command_line(resharded, workdir):
+    """python <save_dir>/zero_to_fp32.py SAVE_DIR OUT, as for a DeepSpeed checkpoint; zero_to_torch.py too."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+    from ds_canzona.zero.deepspeed_tools import main
+
+    resharded(2)
+    mid2 = str(workdir / "mid2")
+    assert all(os.access(os.path.join(mid2, name), os.X_OK) for name in ("zero_to_fp32.py", "zero_to_torch.py"))
+    out = str(workdir / "script_fp32")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, os.path.join(mid2, "zero_to_fp32.py"), mid2, out, "--safe_serialization"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ours = fp32_state_dict_from_checkpoint(mid2)
+    assert_equal_dicts(load_file(os.path.join(out, "model.safetensors")), ours, "zero_to_fp32.py")
+    # zero_to_torch.py's entry, in this process (the command line above is the same code).
+    out_bf16 = str(workdir / "script_bf16")
+    assert main("torch", [mid2, out_bf16, "--dtype", "bf16", "-t", "mid"]) == 0
+    bf16 = torch.load(os.path.join(out_bf16, "pytorch_model.bin"), weights_only=True)
+    assert_equal_dicts(bf16, {k: v.bfloat16() if v.is_floating_point() else v for k, v in ours.items()},
+                       "zero_to_torch.py --dtype bf16")
+
+
+def test_the_torch_state_api_describes_each_ranks_owned_state(saved):
+    """engine.optimizer.state_dict() and engine.optimizer.optimizer.state_dict(): this rank's owned state, by name."""
+    _, results = saved
+    every_name = set()
+    for rank, result in enumerate(results):
+        api, owned = result["torch_state_api"], result["owned"]
+        for which in ("runtime", "basic"):
+            described = api[which]
+            assert (described["rank"], described["world_size"]) == (rank, len(results))
+            assert described["state"].keys() == owned.keys()
+            for name, entry in described["state"].items():
+                assert entry.keys() == owned[name].keys() - {"master"}, name
+                assert all(torch.equal(entry[k], owned[name][k]) for k in entry), name
+            grouped = [name for group in described["param_groups"] for name in group["params"]]
+            assert sorted(grouped) == sorted(owned)
+            kinds = {group["kind"] for group in described["param_groups"] if group["params"]}
+            assert kinds <= {"muon", "shampoo", "soap", "adamw"} and kinds
+        every_name |= set(api["runtime"]["state"])
+        # DeepSpeed's names where the meaning is the same.
+        keys = {k for entry in api["runtime"]["state"].values() for k in entry}
+        assert keys >= {"step", "exp_avg", "exp_avg_sq"}, keys
+        assert all(refusal and "engine.load_checkpoint" in refusal for refusal in api["load_refusals"])
+    # Every rank's owned items together are the whole model's, each once.
+    assert sum(len(r["torch_state_api"]["runtime"]["state"]) for r in results) == len(every_name)
+    described = [entry for r in results for entry in r["torch_state_api"]["runtime"]["state"].values()]
+    assert any("momentum_buffer" in entry for entry in described)
 
 
 def test_bad_checkpoints_fail_on_every_rank(resharded, bad_copies):

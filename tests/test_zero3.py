@@ -301,6 +301,24 @@ def checkpoints(tmp_path_factory, frozen_checkpoints):
     return saved, resumed, export_dir
 
 
+def test_stage3_torch_state_api_and_deepspeeds_zero_to_fp32(checkpoints):
+    """At stage 3 too: engine.optimizer.state_dict() is each rank's owned state by name, and DeepSpeed's
+    get_fp32_state_dict_from_zero_checkpoint reads the checkpoint as the consolidated export holds it."""
+    from ds_canzona.consolidate import load_consolidated_model
+
+    saved, _, export_dir = checkpoints
+    for rank, result in enumerate(saved):
+        described, owned = result["described"], result["owned"]
+        assert (described["rank"], described["world_size"]) == (rank, len(saved))
+        assert described["state"].keys() == owned.keys()
+        for name, entry in described["state"].items():
+            assert entry.keys() == owned[name].keys() - {"master"}, name
+            assert all(torch.equal(entry[k], owned[name][k]) for k in entry), name
+    reading, exported = saved[0]["deepspeeds_reading"], load_consolidated_model(export_dir)
+    assert reading.keys() == exported.keys()
+    assert all(torch.equal(reading[k], exported[k]) for k in reading)
+
+
 @pytest.mark.parametrize("stage,world_size", [(2, 2), (3, 3)])
 def test_stage3_checkpoint_loads_at_other_stages_and_sizes_and_training_continues_exactly(
         checkpoints, one_thread, stage, world_size):

@@ -136,11 +136,17 @@ def checkpoint_save(rank: int, world_size: int, config: dict, save_dir: str, exp
     engine = init_engine(config, model=make_model())
     _train_capture(engine, rank, world_size, 0, steps)
     engine.save_checkpoint(save_dir, tag="saved")
+    deepspeeds_reading = None
     if rank == 0:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
         from ds_canzona.consolidate import consolidate_checkpoint
         consolidate_checkpoint(f"{save_dir}/saved", export_dir, optimizer_states=True)
+        deepspeeds_reading = get_fp32_state_dict_from_zero_checkpoint(save_dir, tag="saved")
     dist.barrier()
-    return {"owned": _owned_snapshot(engine.optimizer), "params": _params_any_stage(engine)}
+    described = engine.optimizer.state_dict()  # the torch state API: this rank's owned state
+    described = {**described, "state": {n: {k: v.clone() for k, v in s.items()} for n, s in described["state"].items()}}
+    return {"owned": _owned_snapshot(engine.optimizer), "params": _params_any_stage(engine),
+            "described": described, "deepspeeds_reading": deepspeeds_reading}
 
 
 def checkpoint_resume(rank: int, world_size: int, config: dict, save_dir: str, first: int, steps: int,

@@ -8,6 +8,10 @@ For one tensor W with gradient G at step t (counting from 1):
 
 This is the exact sequence of DeepSpeed's ``adam_update`` (so the two agree bit for bit in
 fp32); ``torch.optim.AdamW`` folds the bias corrections differently and agrees to rounding.
+
+``adam_w_mode=False`` (DeepSpeed's key, FusedAdam's meaning) is Adam with L2 regularisation
+instead: G <- G + weight_decay * W before the moments, and no decoupled decay; that is
+``torch.optim.Adam``'s ``weight_decay`` and DeepSpeed's ``adam_w_mode: false``.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from ds_canzona.optim.base import RuleBase, check_betas, check_float, new_step, register_rule, state_dtype
+from ds_canzona.optim.base import RuleBase, check_betas, check_bool, check_float, new_step, register_rule, state_dtype
 
 
 def adam_direction_(grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: int, betas: tuple[float, float],
@@ -42,11 +46,14 @@ class AdamWRule(RuleBase):
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    # True: decoupled weight decay (AdamW); False: L2, the decay added to the gradient (Adam).
+    adam_w_mode: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", check_betas(self.kind, "betas", self.betas))
         check_float(self.kind, "eps", self.eps, low=0.0)
         check_float(self.kind, "weight_decay", self.weight_decay, low=0.0)
+        check_bool(self.kind, "adam_w_mode", self.adam_w_mode)
 
     def init_state(self, param: Tensor) -> dict[str, Tensor]:
         dtype = state_dtype(param)
@@ -58,8 +65,10 @@ class AdamWRule(RuleBase):
 
     def _update_one(self, param: Tensor, grad: Tensor, state: dict[str, Tensor], lr: float) -> None:
         state["step"] += 1
+        if not self.adam_w_mode and self.weight_decay != 0.0:
+            grad = grad.add(param, alpha=self.weight_decay)  # a new tensor: the caller's gradient stays
         direction = adam_direction_(grad, state["exp_avg"], state["exp_avg_sq"], int(state["step"].item()),
                                     self.betas, self.eps)
-        if self.weight_decay != 0.0:
+        if self.adam_w_mode and self.weight_decay != 0.0:
             param.mul_(1.0 - lr * self.weight_decay)
         param.add_(direction, alpha=-lr)

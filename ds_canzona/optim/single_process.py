@@ -245,6 +245,8 @@ class _MatrixOptimizer(RuleOptimizer):
             "eps": settings["adam_eps"],
             "weight_decay": settings["weight_decay"] if adam_wd is None else adam_wd,
         }
+        if "adam_w_mode" in settings:  # Muon's (DeepSpeed's MuonWithAuxAdam has the key)
+            adam["adam_w_mode"] = settings["adam_w_mode"]
         return {self.matrix_kind: matrix, "adamw": adam}
 
 
@@ -263,6 +265,8 @@ class Muon(_MatrixOptimizer):
     step scale; its auxiliary Adam's betas (0.9, 0.95) and eps 1e-10. ``adam_lr=None`` means
     ``lr`` under ``lr_scaling='match_rms_adamw'`` (that scaling exists to share AdamW's lr) and
     DeepSpeed's 3e-4 otherwise; ``adam_weight_decay=None`` means ``weight_decay``.
+    ``adam_w_mode=False`` gives the auxiliary Adam L2 weight decay instead of decoupled
+    (DeepSpeed's ``adam_w_mode``; the Muon half's decay stays decoupled, as there).
 
     Numeric contract:
 
@@ -295,13 +299,13 @@ class Muon(_MatrixOptimizer):
                  gram_restart_steps: tuple[int, ...] = (2,), weight_decay: float = 0.0, lr_scaling: str = "original",
                  batch_same_shape: bool = False, num_heads: int | None = None, adam_lr: float | None = None,
                  adam_betas: tuple[float, float] = (0.9, 0.95), adam_eps: float = 1e-10,
-                 adam_weight_decay: float | None = None) -> None:
+                 adam_weight_decay: float | None = None, adam_w_mode: bool = True) -> None:
         super().__init__(params, dict(
             lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, ns_method=ns_method,
             ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, gram_restart_steps=gram_restart_steps,
             weight_decay=weight_decay, lr_scaling=lr_scaling, batch_same_shape=batch_same_shape, num_heads=num_heads,
             adam_lr=adam_lr,
-            adam_betas=adam_betas, adam_eps=adam_eps, adam_weight_decay=adam_weight_decay))
+            adam_betas=adam_betas, adam_eps=adam_eps, adam_weight_decay=adam_weight_decay, adam_w_mode=adam_w_mode))
 
     def _default_adam_lr(self, settings: Mapping[str, Any]) -> float:
         return settings["lr"] if settings["lr_scaling"] == "match_rms_adamw" else DEEPSPEED_AUX_ADAM_LR
@@ -371,12 +375,14 @@ class AdamW(RuleOptimizer):
 
     Numeric contract: bit-exact with DeepSpeed's ``adam_update`` followed by its decoupled weight
     decay (the same operation sequence); equal to ``torch.optim.AdamW`` up to rounding (~1e-6
-    relative), which orders the bias corrections differently.
+    relative), which orders the bias corrections differently. ``adam_w_mode=False`` is Adam
+    with L2 weight decay (``torch.optim.Adam``'s ``weight_decay``), to rounding likewise.
     """
 
     def __init__(self, params: ParamsLike, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.01) -> None:
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+                 eps: float = 1e-8, weight_decay: float = 0.01, adam_w_mode: bool = True) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      adam_w_mode=adam_w_mode))
 
     def _split(self, settings: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         return {"adamw": dict(settings)}

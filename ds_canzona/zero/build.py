@@ -15,20 +15,121 @@ from ds_canzona.zero.support import autotp_size
 # auxiliary AdamW's (DeepSpeed's _muon_param_groups). Shampoo and SOAP have betas and eps of
 # their own, so there the auxiliary AdamW's are spelled adam_betas / adam_eps.
 _ADAM_KEYS = {"betas": "adam_betas", "eps": "adam_eps"}
-_IGNORED_KEYS = {"adam_w_mode", "torch_adam", "fp32_optimizer_states"}
 # Read here, not passed to the optimizer class: per-head Muon comes from DeepSpeed's head tags.
 _PER_HEAD_KEY = "per_head_muon"
 
+# DeepSpeed 0.19.8's choice of Adam class (engine.get_optimizer_configuration; offload_optimizer,
+# which would pick DeepSpeedCPUAdam, is refused in support.py): torch_adam picks torch.optim.AdamW
+# (decoupled) or torch.optim.Adam (L2), else FusedAdam. Each class's keys with the value that
+# leaves ds_canzona's math unchanged (None: any value, no numeric effect on a step); a key not
+# listed would be a TypeError in DeepSpeed and is one clear error here.
+_FUSED_ADAM_KEYS = {"bias_correction": True, "amsgrad": False, "set_grad_none": None}
+_TORCH_ADAM_KEYS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": None,
+                    "differentiable": None, "fused": None}
+_FUSED_ADAM_WEIGHT_DECAY = 0.0  # FusedAdam's default (and DeepSpeedCPUAdam's)
+_TORCH_ADAMW_WEIGHT_DECAY = 0.01  # torch.optim.AdamW's default; torch.optim.Adam's is 0
+# Popped by DeepSpeed before it builds any Adam class; it changes only DeepSpeedCPUAdam's state dtype.
+_CPU_ADAM_ONLY_KEY = "fp32_optimizer_states"
+
+
+def _refuse_key(type_name: str, key: str, value: Any, why: str) -> CanzonaConfigError:
+    return CanzonaConfigError(f"optimizer.params.{key}={value!r} (optimizer type {type_name}) is not supported "
+                              f"with the 'canzona' section: {why}; remove the key, or remove the 'canzona' "
+                              "section to use DeepSpeed's own optimizer")
+
+
+def _adam_w_mode(type_name: str, params: dict[str, Any]) -> bool:
+    """Pop DeepSpeed's adam_w_mode; whether the weight decay is decoupled, as 0.19.8 decides it.
+
+    Type "AdamW" is decoupled whatever adam_w_mode says (DeepSpeed: "Optimizer name of Adam
+    forces AdamW logic unless adam_w_mode is explicitly set"); "Adam" follows adam_w_mode
+    (default true); Muon's auxiliary Adam follows adam_w_mode.
+    """
+    value = params.pop("adam_w_mode", True)
+    if not isinstance(value, bool):
+        raise CanzonaConfigError(f"optimizer.params.adam_w_mode must be true or false, got {value!r}")
+    return True if type_name == "adamw" else value
+
+
+def _check_class_keys(type_name: str, params: dict[str, Any], allowed: dict[str, Any], class_name: str) -> None:
+    """Pop the Adam class's own keys, refusing a value whose math ds_canzona does not run."""
+    for key, neutral in allowed.items():
+        if key in params:
+            value = params.pop(key)
+            if neutral is not None and value != neutral:
+                raise _refuse_key(type_name, key, value, f"DeepSpeed would give it to {class_name}, and ds_canzona's "
+                                  f"Adam runs only {key}={neutral!r}")
+
+
+def _adam_class_kwargs(type_name: str, params: dict[str, Any]) -> dict[str, Any]:
+    """Type "Adam" / "AdamW": ds_canzona.optim.AdamW's keywords for what DeepSpeed 0.19.8 would build.
+
+    Pops every key it reads from ``params``; what is left is lr, betas, eps and weight_decay.
+    """
+    w_mode = _adam_w_mode(type_name, params)
+    params.pop(_CPU_ADAM_ONLY_KEY, None)
+    torch_adam = params.pop("torch_adam", False)
+    if not isinstance(torch_adam, bool):
+        raise CanzonaConfigError(f"optimizer.params.torch_adam must be true or false, got {torch_adam!r}")
+    if torch_adam and w_mode:
+        allowed, class_name, default_decay = _TORCH_ADAM_KEYS, "torch.optim.AdamW", _TORCH_ADAMW_WEIGHT_DECAY
+    elif torch_adam:
+        allowed, class_name, default_decay = _TORCH_ADAM_KEYS, "torch.optim.Adam", 0.0
+        decoupled = params.pop("decoupled_weight_decay", False)
+        if not isinstance(decoupled, bool):
+            raise CanzonaConfigError(f"optimizer.params.decoupled_weight_decay must be true or false, "
+                                     f"got {decoupled!r}")
+        w_mode = decoupled  # torch.optim.Adam(decoupled_weight_decay=True) is AdamW, with Adam's default decay
+    else:
+        allowed, class_name, default_decay = _FUSED_ADAM_KEYS, "FusedAdam", _FUSED_ADAM_WEIGHT_DECAY
+    _check_class_keys(type_name, params, allowed, class_name)
+    unknown = sorted(set(params) - {"lr", "betas", "eps", "weight_decay"})
+    if unknown:
+        raise CanzonaConfigError(f"optimizer.params {unknown} (optimizer type {type_name}): DeepSpeed would pass "
+                                 f"them to {class_name}, which has no such keywords; remove them")
+    return {"weight_decay": params.pop("weight_decay", default_decay), "adam_w_mode": w_mode}
+
+
+def _muon_adam_kwargs(type_name: str, params: dict[str, Any]) -> dict[str, Any]:
+    """Muon's Adam keys: its auxiliary Adam's weight-decay mode; the class it would run has no math of its own.
+
+    DeepSpeed's MuonWithAuxAdam gives the auxiliary Adam's groups explicit lr, betas, eps and
+    weight_decay (its own defaults), so torch_adam or FusedAdam changes no value; adam_w_mode
+    false makes that Adam L2 in every one of its paths.
+    """
+    w_mode = _adam_w_mode(type_name, params)
+    params.pop(_CPU_ADAM_ONLY_KEY, None)
+    torch_adam = params.pop("torch_adam", False)
+    if torch_adam:
+        params.pop("foreach", None)  # DeepSpeed pops it for the torch class
+    return {"adam_w_mode": w_mode}
+
 
 def translate_optimizer_params(name: str, params: dict[str, Any]) -> dict[str, Any]:
-    """DeepSpeed-style ``optimizer.params`` -> keyword arguments of the ds_canzona optimizer class."""
+    """DeepSpeed-style ``optimizer.params`` of type ``name`` (lower case) -> ds_canzona optimizer keywords.
+
+    Types "adam" and "adamw" give ds_canzona.optim.AdamW's keywords with DeepSpeed 0.19.8's
+    meaning (weight decay 0 unless torch_adam picks torch.optim.AdamW; adam_w_mode; see
+    ``_adam_class_kwargs``); "muon" its auxiliary Adam's adam_w_mode too. Shampoo and SOAP are
+    not DeepSpeed types: DeepSpeed's Adam keys are refused there, but for their defaults.
+    """
     kwargs: dict[str, Any] = {}
     params = dict(params or {})
     params.pop(_PER_HEAD_KEY, None)
+    if name in ("adam", "adamw"):
+        kwargs.update(_adam_class_kwargs(name, params))
+    elif name == "muon":
+        kwargs.update(_muon_adam_kwargs(name, params))
+    else:
+        for key, neutral in (("adam_w_mode", True), ("torch_adam", False)):
+            if key in params and params.pop(key) != neutral:
+                raise _refuse_key(name, key, not neutral, "DeepSpeed defines it for Adam, AdamW and Muon only, and "
+                                  f"ds_canzona's {name} runs a decoupled-decay AdamW for its non-matrix tensors")
+        params.pop(_CPU_ADAM_ONLY_KEY, None)
     shared_lr = params.pop("lr", None)
     muon_lr = params.pop("muon_lr", None)
     adam_lr = params.pop("adam_lr", None)
-    if name == "adamw":
+    if name in ("adam", "adamw"):
         if shared_lr is not None:
             kwargs["lr"] = shared_lr
     else:
@@ -37,8 +138,6 @@ def translate_optimizer_params(name: str, params: dict[str, Any]) -> dict[str, A
         if adam_lr is not None or shared_lr is not None:
             kwargs["adam_lr"] = adam_lr if adam_lr is not None else shared_lr
     for key, value in params.items():
-        if key in _IGNORED_KEYS:
-            continue
         if name == "muon" and key in _ADAM_KEYS:
             kwargs[_ADAM_KEYS[key]] = tuple(value) if key == "betas" else value
         elif key == "betas":
@@ -144,9 +243,9 @@ def optimizer_from_config(engine, model_parameters=None):
     if name not in classes:
         raise CanzonaConfigError(f"the 'canzona' section needs an optimizer of type Muon, Shampoo, SOAP or AdamW "
                                  f"(in the config or as a ds_canzona.optim client optimizer), got {name!r}")
-    name = "adamw" if name == "adam" else name
     config_params = engine.optimizer_params() or {}
-    kwargs = translate_optimizer_params(name, config_params)
+    kwargs = translate_optimizer_params(name, config_params)  # DeepSpeed's meaning of the type's keys
+    name = "adamw" if name == "adam" else name
     groups = named_parameter_groups(engine, model_parameters)
     for group in groups:
         group["params"] = [(n, p) for n, p in group["params"] if p.requires_grad]

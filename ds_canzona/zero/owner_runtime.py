@@ -52,6 +52,7 @@ class OwnerRuntime(ZeROOptimizer):
                  postscale_gradients: bool = True, gradient_average: bool = True):
         super().__init__()
         self.optimizer = optimizer
+        self._expose_state_api()
         self.config = config
         self.stage = stage
         self.partition_gradients = stage >= 2
@@ -217,13 +218,46 @@ class OwnerRuntime(ZeROOptimizer):
     def after_load(self) -> None:
         self.refresh_params_from_masters()
 
-    def state_dict(self):
-        raise NotImplementedError("ds_canzona checkpoints are written by engine.save_checkpoint "
-                                  "(see ds_canzona.zero.checkpoint)")
+    # ------------------------------------------------------------------ the torch state API
+    def state_dict(self) -> dict:
+        """This rank's owned optimizer state, by name, for reading.
+
+        docs/CHECKPOINTS.md, "Optimizer state through the torch API", says why and how.
+
+        ``{"state": {name: {key: tensor}}, "param_groups": [{**settings, "params": [names]}],
+        "rank": r, "world_size": n}``: one entry per item this rank owns and updates, named as the
+        checkpoint names it (a parameter's name; ``name[start:stop]`` for a piece of a non-matrix
+        tensor at ZeRO-1/2); the keys are the rule's (``step``, ``exp_avg``, ``exp_avg_sq``,
+        ``momentum_buffer``: DeepSpeed's names, same meaning; Shampoo's and SOAP's statistics).
+        The tensors are the live fp32 state, as torch's ``state_dict`` gives them: clone to keep.
+        ``rank`` and ``world_size`` are the data-parallel group's; under AutoTP a sliced tensor's
+        entry is the slice this rank keeps. No collective: any rank may call it alone. Other
+        ranks' tensors are theirs: the whole state is ``engine.save_checkpoint``'s.
+        """
+        rank, world_size = self.rank, self.world_size
+        owned = self.owned_tensors()
+        groups = []
+        for group in self.optimizer.param_groups:
+            settings = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+            groups.append({**settings, "params": [t.name for t in owned if t.group is group]})
+        return {"state": {t.name: dict(t.state) for t in owned}, "param_groups": groups,
+                "rank": rank, "world_size": world_size}
 
     def load_state_dict(self, *args, **kwargs):
-        raise NotImplementedError("ds_canzona checkpoints are read by engine.load_checkpoint "
-                                  "(see ds_canzona.zero.checkpoint)")
+        raise NotImplementedError(
+            "ds_canzona's optimizer state is not loaded through load_state_dict (a state_dict() holds one rank's "
+            "owned tensors only): save it with engine.save_checkpoint(save_dir) and load it with "
+            "engine.load_checkpoint(load_dir), at any world size; `ds-canzona consolidate` writes one file")
+
+    def _expose_state_api(self) -> None:
+        """The basic optimizer's torch state API answers for this runtime: its own state is empty under ZeRO.
+
+        ``engine.optimizer.optimizer`` (the ds_canzona.optim optimizer this runtime wraps) never
+        steps here, so torch's ``state_dict`` of it would say nothing; code that reads optimizer
+        state through it gets this rank's owned state, and a load is refused the same way.
+        """
+        self.optimizer.state_dict = self.state_dict
+        self.optimizer.load_state_dict = self.load_state_dict
 
 
 __all__ = ["OwnerRuntime"]

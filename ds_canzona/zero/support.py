@@ -213,6 +213,14 @@ def _check_precision_keys(engine) -> None:
                         ("fp16_master_weights_and_gradients", "fp16.fp16_master_weights_and_grads")):
         if hasattr(engine, method) and getattr(engine, method)():
             raise _refuse(key, "remove it (ds_canzona keeps fp32 masters and fp32 optimizer state)")
+    # DeepSpeed 0.19.8's ZeRO-1/2 skips its overflow check for bf16 with this key false, so a step
+    # with an inf or NaN gradient is applied and the weights turn non-finite; its ZeRO-3 checks
+    # only fp16 whatever the key says. ds_canzona's check is the clipping norm it computes anyway
+    # (no extra synchronisation to save), and it always skips such a step.
+    if engine.bfloat16_enabled() and not getattr(engine._config.bfloat16_config, "check_grad_overflow", True):
+        raise _refuse("bf16.check_grad_overflow: false (applying a step whose gradient overflowed)",
+                      "remove the key or set it to true (ds_canzona skips a step with an inf or NaN gradient, "
+                      "at no extra cost)")
 
 
 def _check_checkpoint_keys(params: dict[str, Any]) -> None:

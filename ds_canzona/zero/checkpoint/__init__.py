@@ -3,6 +3,7 @@
 Layout of ``<save_dir>/``::
 
     latest                                   the tag of the newest committed checkpoint
+    zero_to_fp32.py, zero_to_torch.py        DeepSpeed's conversion command lines on this format
     <tag>/canzona_meta.pt                    the manifest (rank 0), the commit point of the tag
     <tag>/canzona_rank00003-<save_id>.safetensors
                                              rank 3's fp32 masters and optimizer state, per item
@@ -44,6 +45,7 @@ The package, by seam (each importable alone, in this order of dependence):
     hf_config.py   the module's HuggingFace config files, carried into the consolidated export
     frozen.py      ZeRO-3 frozen parameters (DeepSpeed's even layout): gathered whole for a save,
                    written slice by slice into their partitions on load
+    recovery_scripts.py  the zero_to_fp32.py / zero_to_torch.py every save leaves in its directory
     engine.py      engine.save_checkpoint / engine.load_checkpoint for the ZeRO-1/2 optimizer,
                    the only module that knows its buffers and plan
 """

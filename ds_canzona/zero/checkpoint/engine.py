@@ -29,6 +29,7 @@ from ds_canzona.zero.checkpoint.frozen import (check_value, digest, gather_to_cp
                                                write_full_value)
 from ds_canzona.zero.checkpoint.hf_config import hf_config_files
 from ds_canzona.zero.checkpoint.reader import Checkpoint
+from ds_canzona.zero.checkpoint.recovery_scripts import write_recovery_scripts
 
 logger = logging.getLogger("ds_canzona")
 
@@ -247,6 +248,7 @@ def save_engine_checkpoint(engine, save_dir, *, tag=None, client_state: dict | N
                 atomic_write(os.path.join(save_dir, LATEST_FILE), write_bytes(tag.encode()))
             remove_stale(ckpt_dir, keep={f["name"] for f in meta["files"]})
             remove_stale(save_dir, keep=set())
+            write_recovery_scripts(save_dir)  # DeepSpeed's zero_to_fp32.py command line, on this format
         except Exception as caught:
             error = caught
     rows = ranks.gather([error is None])
