@@ -41,12 +41,15 @@ local search alone, which respects the caps.
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ._free_chains import free_chains
 from ._loads import LoadTree
-from ._packing import Assignment, LocalSearch, Problem, _assignment, balance
+from ._packing import Assignment, LocalSearch, Problem, _assignment, _search_budget, balance
 from ._three_chains import owner_at
 from ._two_chains import optimal_owner
 
@@ -187,17 +190,88 @@ class MemorySearch(LocalSearch):
     """Lower the busiest rank's memory by moves and swaps that keep every cost within ``capacity``."""
 
     def __init__(self, problem: Problem, assignment: Assignment, memory: Sequence[float], capacity: float,
-                 budget: int) -> None:
+                 budget: int, sand: Sequence[bool] | None = None) -> None:
         super().__init__(problem, assignment, budget)
         self.memory = memory
         self.capacity = capacity * (1.0 + SAME_MAKESPAN)
         self.memory_loads = LoadTree.from_loads(_loads(problem.world, assignment.owner, memory))
+        # With ``sand``, buckets of pieces are re-partitioned by counts (exchanges, below).
+        self.chains = [] if sand is None or problem.capped else free_chains(
+            problem.buckets, problem.costs, memory, sand, assignment.owner, problem.world)
+        self.chain_of = [-1] * len(problem.numels)
+        for index, chain in enumerate(self.chains):
+            self.chain_of[chain.first:chain.stop] = [index] * (chain.stop - chain.first)
 
     def run(self) -> None:
         while self.budget > 0:
             busiest = self.memory_loads.busiest()
-            if not (self._best_memory_move(busiest) or self._best_memory_swap(busiest)):
+            if not (self._best_memory_move(busiest) or self._best_memory_swap(busiest)
+                    or self._best_exchange(busiest)):
                 return
+
+    def _best_exchange(self, busiest: int) -> bool:
+        """Pieces of a free chain from the busiest-memory rank to another, and one item back (or none).
+
+        For each chain with pieces on ``busiest``, each other rank, and each item that rank holds
+        outside the free chains whose window reaches ``busiest`` (or none): as many pieces as
+        bring the two ranks' bytes closest, within what keeps both costs under the capacity. The
+        best such exchange is taken where it strictly lowers the busiest memory.
+        """
+        if not self.chains:
+            return False
+        world, costs, memory, owner = self.problem.world, self.problem.costs, self.memory, self.state.owner
+        loads, mem = self.state.loads.loads(), self.memory_loads.loads()
+        top, capacity = mem[busiest], self.capacity
+        incoming: list[tuple[int, int]] = [(-1, rank) for rank in range(world) if rank != busiest]
+        for first, stop in self.problem.buckets:
+            if self.chain_of[first] >= 0:
+                continue
+            # Within a bucket the owners are non-decreasing: the last item below ``busiest`` and
+            # the first above it are the ones whose neighbours allow ``busiest``.
+            below = bisect.bisect_left(owner, busiest, first, stop) - 1
+            above = bisect.bisect_right(owner, busiest, first, stop)
+            if below >= first:
+                incoming.append((below, owner[below]))
+            if above < stop:
+                incoming.append((above, owner[above]))
+        best: tuple[float, int, int, int, int] | None = None
+        for index, chain in enumerate(self.chains):
+            have = chain.counts[busiest]
+            if not have:
+                continue
+            highest = chain.highest()
+            unit_cost, unit_memory = chain.unit_cost, chain.unit_memory
+            self.budget -= len(incoming)
+            for item, rank in incoming:
+                item_cost, item_memory = (costs[item], memory[item]) if item >= 0 else (0.0, 0.0)
+                # Whole pieces: enough to make room for the item, few enough to fit on ``rank``.
+                low = max(1, math.ceil((loads[busiest] + item_cost - capacity) / unit_cost)) if unit_cost > 0 else 1
+                high = have if unit_cost <= 0 else min(have, math.floor((capacity - loads[rank] + item_cost) / unit_cost))
+                if low > high:
+                    continue
+                balanced = (top - mem[rank] + 2.0 * item_memory) / (2.0 * unit_memory) if unit_memory > 0 else high
+                for moved in sorted({min(high, max(low, math.floor(balanced))), min(high, max(low, math.ceil(balanced)))}):
+                    changes = chain.deltas(busiest, rank, moved, highest)
+                    changes[busiest] = _plus(changes.get(busiest, (0.0, 0.0)), (item_cost, item_memory))
+                    changes[rank] = _plus(changes.get(rank, (0.0, 0.0)), (-item_cost, -item_memory))
+                    if any(loads[r] + cost > capacity for r, (cost, _) in changes.items() if cost > 0):
+                        continue
+                    peak = max(mem[r] + change for r, (_, change) in changes.items())
+                    if peak < top * (1.0 - 1e-12) and (best is None or (peak, item, rank, index, moved) < best):
+                        best = (peak, item, rank, index, moved)
+        if best is None:
+            return False
+        _, item, rank, index, moved = best
+        chain = self.chains[index]
+        for r, (cost, change) in chain.deltas(busiest, rank, moved, chain.highest()).items():
+            self.state.loads.add(r, cost)
+            self.memory_loads.add(r, change)
+        for piece, source, target in chain.repartition(owner, busiest, rank, moved):
+            self.on_rank[source].remove(piece)
+            bisect.insort(self.on_rank[target], piece)
+        if item >= 0:
+            self._move(item, rank, busiest)
+        return True
 
     def _best_memory_move(self, busiest: int) -> bool:
         # Plain lists of the loads: nothing moves until the best move is chosen.
@@ -268,6 +342,10 @@ class MemorySearch(LocalSearch):
         super()._move(param, source, target)
         self.memory_loads.add(source, -self.memory[param])
         self.memory_loads.add(target, self.memory[param])
+        if self.chain_of[param] >= 0:
+            counts = self.chains[self.chain_of[param]].counts
+            counts[source] -= 1
+            counts[target] += 1
 
 
 def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_owner: list[int],
@@ -309,7 +387,7 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
         rock_plans.append(exact)
     pourings = [_Pouring(problem, memory, sand, owner) for owner in rock_plans] if pourable else []
     for pouring in pourings:
-        candidates.append(pouring.fewest_cost(problem.lower_bound()))
+        candidates.append(_polished(problem, pouring.fewest_cost(problem.lower_bound())))
     lpt_makespan = _lpt_makespan(problem.costs, world)
     if min(_max_load(world, owner, problem.costs) for owner in candidates) > (1.0 + MAKESPAN_OVER_LPT) * lpt_makespan:
         # Three buckets (a small tied model, its embedding split off) and no packing within the
@@ -319,7 +397,7 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
             candidates.append(three)
             if pourable:
                 pourings.append(_Pouring(problem, memory, sand, three))
-                candidates.append(pourings[-1].fewest_cost(problem.lower_bound()))
+                candidates.append(_polished(problem, pourings[-1].fewest_cost(problem.lower_bound())))
     # The makespan: the best found (give or take MAKESPAN_TOLERANCE); up to the budget if that buys
     # memory down to the target, never above the cost portfolio's own plan (see the module docstring).
     best_makespan = min(_max_load(world, owner, problem.costs) for owner in candidates)
@@ -341,7 +419,7 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
         for owner in options:
             for _ in range(REPOUR_ROUNDS + 1 if pourable and not problem.capped else 1):
                 assignment = _assignment(problem, list(owner))
-                search = MemorySearch(problem, assignment, memory, capacity, budget=_memory_budget(problem))
+                search = MemorySearch(problem, assignment, memory, capacity, budget=_memory_budget(problem), sand=sand)
                 search.run()
                 key = (search.memory_loads.max_load(), assignment.owner)
                 if chosen is None or key < chosen:
@@ -402,7 +480,7 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
             if poured is None:
                 continue
             assignment = _assignment(problem, poured)
-            search = MemorySearch(problem, assignment, memory, budget, budget=_memory_budget(problem))
+            search = MemorySearch(problem, assignment, memory, budget, budget=_memory_budget(problem), sand=sand)
             search.run()
             if search.memory_loads.max_load() < peak:
                 owner, peak = assignment.owner, search.memory_loads.max_load()
@@ -454,6 +532,13 @@ class MemoryCapUnreachable(Exception):
         super().__init__(f"busiest-rank memory {peak_memory:g} over the cap")
         self.owner = owner
         self.peak_memory = peak_memory
+
+
+def _polished(problem: Problem, owner: list[int]) -> list[int]:
+    """``owner`` after the cost portfolio's local search: a pouring's busiest rank, lowered where a move or swap can."""
+    assignment = _assignment(problem, owner)
+    LocalSearch(problem, assignment, budget=_search_budget(problem)).run()
+    return assignment.owner
 
 
 def _rocks_alone(problem: Problem, rocks: list[int], *, lead: int = 0, trail: int = 0) -> list[int]:
@@ -547,6 +632,10 @@ def _sand_matters(problem: Problem, memory: Sequence[float], sand: Sequence[bool
     sand_memory = sum(m for m, s in zip(memory, sand) if s)
     return (sand_cost > SAND_WORTH_PACKING * sum(problem.costs) / world
             or sand_memory > SAND_WORTH_PACKING * sum(memory) / world)
+
+
+def _plus(left: tuple[float, float], right: tuple[float, float]) -> tuple[float, float]:
+    return left[0] + right[0], left[1] + right[1]
 
 
 def _lpt_makespan(costs: Sequence[float], world: int) -> float:
