@@ -41,13 +41,11 @@ local search alone, which respects the caps.
 
 from __future__ import annotations
 
-import bisect
 import heapq
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ._free_chains import free_chains
+from ._free_chains import COST, MEMORY, ChainExchanges
 from ._loads import LoadTree
 from ._packing import Assignment, LocalSearch, Problem, _assignment, _search_budget, balance
 from ._three_chains import owner_at
@@ -186,92 +184,27 @@ class _Pouring:
         return best
 
 
-class MemorySearch(LocalSearch):
+class MemorySearch(ChainExchanges, LocalSearch):
     """Lower the busiest rank's memory by moves and swaps that keep every cost within ``capacity``."""
 
     def __init__(self, problem: Problem, assignment: Assignment, memory: Sequence[float], capacity: float,
-                 budget: int, sand: Sequence[bool] | None = None) -> None:
+                 budget: int, sand: Sequence[bool] | None = None, goal: float = 0.0) -> None:
         super().__init__(problem, assignment, budget)
         self.memory = memory
         self.capacity = capacity * (1.0 + SAME_MAKESPAN)
+        # Two-step exchanges (ejections) cost many single ones: tried only above this memory.
+        self.goal = goal
         self.memory_loads = LoadTree.from_loads(_loads(problem.world, assignment.owner, memory))
-        # With ``sand``, buckets of pieces are re-partitioned by counts (exchanges, below).
-        self.chains = [] if sand is None or problem.capped else free_chains(
-            problem.buckets, problem.costs, memory, sand, assignment.owner, problem.world)
-        self.chain_of = [-1] * len(problem.numels)
-        for index, chain in enumerate(self.chains):
-            self.chain_of[chain.first:chain.stop] = [index] * (chain.stop - chain.first)
+        # With ``sand``, buckets of pieces are re-partitioned by counts (exchanges).
+        self.track_chains(sand)
 
     def run(self) -> None:
         while self.budget > 0:
             busiest = self.memory_loads.busiest()
             if not (self._best_memory_move(busiest) or self._best_memory_swap(busiest)
-                    or self._best_exchange(busiest)):
+                    or self.best_exchange(busiest, MEMORY, self.capacity)
+                    or (self.memory_loads.max_load() > self.goal and self.ejection(busiest, MEMORY, self.capacity))):
                 return
-
-    def _best_exchange(self, busiest: int) -> bool:
-        """Pieces of a free chain from the busiest-memory rank to another, and one item back (or none).
-
-        For each chain with pieces on ``busiest``, each other rank, and each item that rank holds
-        outside the free chains whose window reaches ``busiest`` (or none): as many pieces as
-        bring the two ranks' bytes closest, within what keeps both costs under the capacity. The
-        best such exchange is taken where it strictly lowers the busiest memory.
-        """
-        if not self.chains:
-            return False
-        world, costs, memory, owner = self.problem.world, self.problem.costs, self.memory, self.state.owner
-        loads, mem = self.state.loads.loads(), self.memory_loads.loads()
-        top, capacity = mem[busiest], self.capacity
-        incoming: list[tuple[int, int]] = [(-1, rank) for rank in range(world) if rank != busiest]
-        for first, stop in self.problem.buckets:
-            if self.chain_of[first] >= 0:
-                continue
-            # Within a bucket the owners are non-decreasing: the last item below ``busiest`` and
-            # the first above it are the ones whose neighbours allow ``busiest``.
-            below = bisect.bisect_left(owner, busiest, first, stop) - 1
-            above = bisect.bisect_right(owner, busiest, first, stop)
-            if below >= first:
-                incoming.append((below, owner[below]))
-            if above < stop:
-                incoming.append((above, owner[above]))
-        best: tuple[float, int, int, int, int] | None = None
-        for index, chain in enumerate(self.chains):
-            have = chain.counts[busiest]
-            if not have:
-                continue
-            highest = chain.highest()
-            unit_cost, unit_memory = chain.unit_cost, chain.unit_memory
-            self.budget -= len(incoming)
-            for item, rank in incoming:
-                item_cost, item_memory = (costs[item], memory[item]) if item >= 0 else (0.0, 0.0)
-                # Whole pieces: enough to make room for the item, few enough to fit on ``rank``.
-                low = max(1, math.ceil((loads[busiest] + item_cost - capacity) / unit_cost)) if unit_cost > 0 else 1
-                high = have if unit_cost <= 0 else min(have, math.floor((capacity - loads[rank] + item_cost) / unit_cost))
-                if low > high:
-                    continue
-                balanced = (top - mem[rank] + 2.0 * item_memory) / (2.0 * unit_memory) if unit_memory > 0 else high
-                for moved in sorted({min(high, max(low, math.floor(balanced))), min(high, max(low, math.ceil(balanced)))}):
-                    changes = chain.deltas(busiest, rank, moved, highest)
-                    changes[busiest] = _plus(changes.get(busiest, (0.0, 0.0)), (item_cost, item_memory))
-                    changes[rank] = _plus(changes.get(rank, (0.0, 0.0)), (-item_cost, -item_memory))
-                    if any(loads[r] + cost > capacity for r, (cost, _) in changes.items() if cost > 0):
-                        continue
-                    peak = max(mem[r] + change for r, (_, change) in changes.items())
-                    if peak < top * (1.0 - 1e-12) and (best is None or (peak, item, rank, index, moved) < best):
-                        best = (peak, item, rank, index, moved)
-        if best is None:
-            return False
-        _, item, rank, index, moved = best
-        chain = self.chains[index]
-        for r, (cost, change) in chain.deltas(busiest, rank, moved, chain.highest()).items():
-            self.state.loads.add(r, cost)
-            self.memory_loads.add(r, change)
-        for piece, source, target in chain.repartition(owner, busiest, rank, moved):
-            self.on_rank[source].remove(piece)
-            bisect.insort(self.on_rank[target], piece)
-        if item >= 0:
-            self._move(item, rank, busiest)
-        return True
 
     def _best_memory_move(self, busiest: int) -> bool:
         # Plain lists of the loads: nothing moves until the best move is chosen.
@@ -342,10 +275,55 @@ class MemorySearch(LocalSearch):
         super()._move(param, source, target)
         self.memory_loads.add(source, -self.memory[param])
         self.memory_loads.add(target, self.memory[param])
-        if self.chain_of[param] >= 0:
-            counts = self.chains[self.chain_of[param]].counts
-            counts[source] -= 1
-            counts[target] += 1
+        self.count_move(param, source, target)
+
+
+class CostRepair(ChainExchanges, LocalSearch):
+    """Lower the busiest rank's cost, keeping every rank's memory within ``memory_capacity``.
+
+    The memory search's dual, for a plan that holds memory well but sits a little above the
+    makespan: moves of one item within its window, and exchanges of free-chain pieces.
+    """
+
+    def __init__(self, problem: Problem, assignment: Assignment, memory: Sequence[float], memory_capacity: float,
+                 budget: int, sand: Sequence[bool]) -> None:
+        super().__init__(problem, assignment, budget)
+        self.memory = memory
+        self.memory_capacity = memory_capacity
+        self.memory_loads = LoadTree.from_loads(_loads(problem.world, assignment.owner, memory))
+        self.track_chains(sand)
+
+    def run_to(self, goal: float) -> None:
+        while self.budget > 0 and self.state.loads.max_load() > goal:
+            busiest = self.state.loads.busiest()
+            if not (self._best_capped_move(busiest) or self.best_exchange(busiest, COST, self.memory_capacity)):
+                return
+
+    def _best_capped_move(self, busiest: int) -> bool:
+        loads, mem = self.state.loads.loads(), self.memory_loads.loads()
+        costs, memory = self.problem.costs, self.memory
+        top = loads[busiest]
+        best: tuple[float, int, int] | None = None
+        for item in self.on_rank[busiest]:
+            low, high = self._window(item)
+            self.budget -= high - low + 1
+            for rank in range(low, high + 1):
+                if rank == busiest or mem[rank] + memory[item] > self.memory_capacity or not self._fits(item, rank):
+                    continue
+                peak = max(top - costs[item], loads[rank] + costs[item])
+                if peak < top * (1.0 - 1e-12) and (best is None or (peak, item, rank) < best):
+                    best = (peak, item, rank)
+        if best is None:
+            return False
+        _, item, rank = best
+        self._move(item, busiest, rank)
+        return True
+
+    def _move(self, param: int, source: int, target: int) -> None:
+        super()._move(param, source, target)
+        self.memory_loads.add(source, -self.memory[param])
+        self.memory_loads.add(target, self.memory[param])
+        self.count_move(param, source, target)
 
 
 def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_owner: list[int],
@@ -407,6 +385,19 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
     budget = min(portfolio_makespan, max(makespan, over_lpt))
     memory_target = max(MEMORY_OVER_AVERAGE * total_memory / world,
                         MEMORY_OVER_LARGEST * max(memory, default=0.0))
+    # Where the search is worth its two-step exchanges: above the target, or the cap if lower.
+    goal = memory_target if memory_cap is None else min(memory_target, memory_cap)
+    if pourable:
+        # Plans a little slower than the makespan may get there without giving up their memory.
+        for owner in list(candidates):
+            if makespan * (1.0 + SAME_MAKESPAN) < _max_load(world, owner, problem.costs) \
+                    <= makespan * (1.0 + MAKESPAN_TOLERANCE):
+                assignment = _assignment(problem, list(owner))
+                repair = CostRepair(problem, assignment, memory, max(_max_load(world, owner, memory), memory_target),
+                                    budget=_memory_budget(problem), sand=sand)
+                repair.run_to(makespan)
+                if assignment.loads.max_load() <= makespan * (1.0 + SAME_MAKESPAN):
+                    candidates.append(assignment.owner)
 
     def best_at(capacity: float) -> tuple[list[int], float]:
         room = capacity * (1.0 + SAME_MAKESPAN)
@@ -419,7 +410,8 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
         for owner in options:
             for _ in range(REPOUR_ROUNDS + 1 if pourable and not problem.capped else 1):
                 assignment = _assignment(problem, list(owner))
-                search = MemorySearch(problem, assignment, memory, capacity, budget=_memory_budget(problem), sand=sand)
+                search = MemorySearch(problem, assignment, memory, capacity, budget=_memory_budget(problem), sand=sand,
+                                      goal=goal)
                 search.run()
                 key = (search.memory_loads.max_load(), assignment.owner)
                 if chosen is None or key < chosen:
@@ -480,7 +472,8 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
             if poured is None:
                 continue
             assignment = _assignment(problem, poured)
-            search = MemorySearch(problem, assignment, memory, budget, budget=_memory_budget(problem), sand=sand)
+            search = MemorySearch(problem, assignment, memory, budget, budget=_memory_budget(problem), sand=sand,
+                                  goal=goal)
             search.run()
             if search.memory_loads.max_load() < peak:
                 owner, peak = assignment.owner, search.memory_loads.max_load()
@@ -504,6 +497,20 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
                     high_owner, high = trial, middle
             candidates.append(high_owner)
             owner, peak = best_at(high)
+        else:
+            # Out of reach at the budget: the least memory the search finds there, bisected on the
+            # memory capacity between the target and the plan so far.
+            floor_memory, ceiling_memory = memory_target, peak
+            for _ in range(THREE_CHAIN_STEPS):
+                middle = (floor_memory + ceiling_memory) / 2.0
+                trial = owner_at(problem, [budget], memory=memory, memory_capacity=middle)
+                if trial is None:
+                    floor_memory = middle
+                else:
+                    high_owner, ceiling_memory = trial, middle
+            if high_owner is not None:
+                candidates.append(high_owner)
+                owner, peak = best_at(budget)
     if memory_cap is None or peak <= memory_cap:
         return FitResult(owner=owner, makespan=_max_load(world, owner, problem.costs), peak_memory=peak)
 
@@ -632,10 +639,6 @@ def _sand_matters(problem: Problem, memory: Sequence[float], sand: Sequence[bool
     sand_memory = sum(m for m, s in zip(memory, sand) if s)
     return (sand_cost > SAND_WORTH_PACKING * sum(problem.costs) / world
             or sand_memory > SAND_WORTH_PACKING * sum(memory) / world)
-
-
-def _plus(left: tuple[float, float], right: tuple[float, float]) -> tuple[float, float]:
-    return left[0] + right[0], left[1] + right[1]
 
 
 def _lpt_makespan(costs: Sequence[float], world: int) -> float:
