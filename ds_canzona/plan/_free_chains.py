@@ -93,15 +93,19 @@ class FreeChain:
         return changed
 
 
-def free_chains(buckets: Sequence[tuple[int, int]], costs: Sequence[float], memory: Sequence[float],
-                sand: Sequence[bool], owner: Sequence[int], world: int) -> list[FreeChain]:
-    """The buckets of two or more sand items, all alike in cost and bytes but the last."""
+def free_chains(ranges: Sequence[tuple[int, int]], costs: Sequence[float], memory: Sequence[float],
+                owner: Sequence[int], world: int) -> list[FreeChain]:
+    """Free chains over ``ranges``: the item ranges of tensors in pieces, each alone in its bucket.
+
+    Every piece but the last must be alike in cost and bytes (canonical pieces of one tensor are).
+    """
     chains = []
-    for first, stop in buckets:
-        if stop - first < 2 or not all(sand[item] for item in range(first, stop)):
+    for first, stop in ranges:
+        if stop - first < 2:
             continue
-        if all(costs[item] == costs[first] and memory[item] == memory[first] for item in range(first + 1, stop - 1)):
-            chains.append(FreeChain(first, stop, costs, memory, owner, world))
+        if not all(costs[item] == costs[first] and memory[item] == memory[first] for item in range(first + 1, stop - 1)):
+            raise ValueError(f"items {first}..{stop - 1} are not alike pieces")
+        chains.append(FreeChain(first, stop, costs, memory, owner, world))
     return chains
 
 
@@ -113,10 +117,11 @@ class ChainExchanges:
     other under a capacity; :meth:`count_move` keeps the chains' counts in step with single moves.
     """
 
-    def track_chains(self, sand: Sequence[bool] | None) -> None:
+    def track_chains(self, ranges: Sequence[tuple[int, int]]) -> None:
+        """Count the items of ``ranges`` (tensors in pieces, alone in their buckets) by rank."""
         problem = self.problem
-        self.chains = [] if sand is None or problem.capped else free_chains(
-            problem.buckets, problem.costs, self.memory, sand, self.state.owner, problem.world)
+        self.chains = [] if problem.capped else free_chains(
+            ranges, problem.costs, self.memory, self.state.owner, problem.world)
         self.chain_of = [-1] * len(problem.numels)
         for index, chain in enumerate(self.chains):
             self.chain_of[chain.first:chain.stop] = [index] * (chain.stop - chain.first)

@@ -188,15 +188,15 @@ class MemorySearch(ChainExchanges, LocalSearch):
     """Lower the busiest rank's memory by moves and swaps that keep every cost within ``capacity``."""
 
     def __init__(self, problem: Problem, assignment: Assignment, memory: Sequence[float], capacity: float,
-                 budget: int, sand: Sequence[bool] | None = None, goal: float = 0.0) -> None:
+                 budget: int, chains: Sequence[tuple[int, int]] = (), goal: float = 0.0) -> None:
         super().__init__(problem, assignment, budget)
         self.memory = memory
         self.capacity = capacity * (1.0 + SAME_MAKESPAN)
         # Two-step exchanges (ejections) cost many single ones: tried only above this memory.
         self.goal = goal
         self.memory_loads = LoadTree.from_loads(_loads(problem.world, assignment.owner, memory))
-        # With ``sand``, buckets of pieces are re-partitioned by counts (exchanges).
-        self.track_chains(sand)
+        # ``chains``: tensors in pieces alone in a bucket, re-partitioned by counts (exchanges).
+        self.track_chains(chains)
 
     def run(self) -> None:
         while self.budget > 0:
@@ -286,12 +286,12 @@ class CostRepair(ChainExchanges, LocalSearch):
     """
 
     def __init__(self, problem: Problem, assignment: Assignment, memory: Sequence[float], memory_capacity: float,
-                 budget: int, sand: Sequence[bool]) -> None:
+                 budget: int, chains: Sequence[tuple[int, int]]) -> None:
         super().__init__(problem, assignment, budget)
         self.memory = memory
         self.memory_capacity = memory_capacity
         self.memory_loads = LoadTree.from_loads(_loads(problem.world, assignment.owner, memory))
-        self.track_chains(sand)
+        self.track_chains(chains)
 
     def run_to(self, goal: float) -> None:
         while self.budget > 0 and self.state.loads.max_load() > goal:
@@ -327,11 +327,13 @@ class CostRepair(ChainExchanges, LocalSearch):
 
 
 def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_owner: list[int],
-        *, memory_cap: float | None = None, reference_owner: list[int] | None = None) -> FitResult:
+        *, memory_cap: float | None = None, reference_owner: list[int] | None = None,
+        chains: Sequence[tuple[int, int]] = ()) -> FitResult:
     """The lexicographic plan: least makespan, then least busiest memory (see the module docstring).
 
     With ``memory_cap``, a plan over the cap is not accepted: the makespan is raised (bisection on
-    the cost capacity) until one fits. Raises ``MemoryCapUnreachable`` if none does.
+    the cost capacity) until one fits. Raises ``MemoryCapUnreachable`` if none does. ``chains``:
+    the item ranges of tensors in pieces, each alone in its bucket (see ``_free_chains``).
     """
     world = problem.world
     candidates = [cost_owner]
@@ -394,7 +396,7 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
                     <= makespan * (1.0 + MAKESPAN_TOLERANCE):
                 assignment = _assignment(problem, list(owner))
                 repair = CostRepair(problem, assignment, memory, max(_max_load(world, owner, memory), memory_target),
-                                    budget=_memory_budget(problem), sand=sand)
+                                    budget=_memory_budget(problem), chains=chains)
                 repair.run_to(makespan)
                 if assignment.loads.max_load() <= makespan * (1.0 + SAME_MAKESPAN):
                     candidates.append(assignment.owner)
@@ -410,7 +412,7 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
         for owner in options:
             for _ in range(REPOUR_ROUNDS + 1 if pourable and not problem.capped else 1):
                 assignment = _assignment(problem, list(owner))
-                search = MemorySearch(problem, assignment, memory, capacity, budget=_memory_budget(problem), sand=sand,
+                search = MemorySearch(problem, assignment, memory, capacity, budget=_memory_budget(problem), chains=chains,
                                       goal=goal)
                 search.run()
                 key = (search.memory_loads.max_load(), assignment.owner)
@@ -472,7 +474,7 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
             if poured is None:
                 continue
             assignment = _assignment(problem, poured)
-            search = MemorySearch(problem, assignment, memory, budget, budget=_memory_budget(problem), sand=sand,
+            search = MemorySearch(problem, assignment, memory, budget, budget=_memory_budget(problem), chains=chains,
                                   goal=goal)
             search.run()
             if search.memory_loads.max_load() < peak:
