@@ -35,6 +35,11 @@ cost goes above C and the busiest memory strictly drops. Where that leaves memor
 target, the sand is poured again around the rocks as the search left them, and searched again
 (``REPOUR_ROUNDS``): a search moves one item at a time, a pouring moves a whole run.
 
+Exchanges (``_free_chains``): the pieces of a tensor alone in its bucket are moved by counts, any
+number of them to any rank, against a run of items coming back the other way; where one exchange
+would only move the excess, two (an ejection). A plan a little above the makespan whose memory is
+good is repaired towards it by the same moves with memory held (:class:`CostRepair`).
+
 Under ``alpha < 1`` (element caps per segment) the pouring is skipped: memory is improved by the
 local search alone, which respects the caps.
 """
@@ -185,7 +190,7 @@ class _Pouring:
 
 
 class MemorySearch(ChainExchanges, LocalSearch):
-    """Lower the busiest rank's memory by moves and swaps that keep every cost within ``capacity``."""
+    """Lower the busiest rank's memory by moves, swaps and free-chain exchanges that keep every cost within ``capacity``."""
 
     def __init__(self, problem: Problem, assignment: Assignment, memory: Sequence[float], capacity: float,
                  budget: int, chains: Sequence[tuple[int, int]] = (), goal: float = 0.0) -> None:
