@@ -64,12 +64,13 @@ def test_table_output(shapes: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_table_names_the_tensor_that_bounds_the_busiest_rank(capsys: pytest.CaptureFixture[str]) -> None:
-    # Whole, Qwen3-8B's AdamW embedding (151936 x 4096) outweighs a rank's share at DP=128, not at DP=16.
+    # Whole, Qwen3-8B's AdamW embedding (151936 x 4096) outweighs a rank's share at DP=128, not at DP=16
+    # (1.841 x with the launch floor of the GPU default, which raises every small matrix's cost).
     assert main(["plan", "--model", "qwen3-8b", "--dp", "128", "--split-numel", "0"]) == 0
     out = capsys.readouterr().out
-    assert "the costliest tensor alone, model.embed_tokens.weight, is 1.864 x" in out
+    assert "the costliest tensor alone, model.embed_tokens.weight, is 1.841 x" in out
     assert "(--split-numel plans non-matrix tensors in pieces)" in out
-    assert "roofline 1.864" in out and "unconstrained LPT reaches 1.864" in out
+    assert "roofline 1.841" in out and "unconstrained LPT reaches 1.841" in out
     assert main(["plan", "--model", "qwen3-8b", "--dp", "16", "--split-numel", "0"]) == 0
     assert "costliest tensor alone" not in capsys.readouterr().out
     # In pieces (the default, as the runtime) the embedding spreads out.

@@ -10,6 +10,8 @@ import pytest
 
 from ds_canzona.plan import (
     ADAMW_FLOPS_PER_ELEMENT,
+    ADAMW_LAUNCHES,
+    DEFAULT_LAUNCH_BYTES,
     DEFAULT_MACHINE_BALANCE,
     ParamSpec,
     PlanError,
@@ -17,15 +19,18 @@ from ds_canzona.plan import (
     default_matrix_rule,
     load_model_config,
     model_specs,
+    default_launch_bytes,
     default_machine_balance,
     muon_flops,
     newton_schulz_flops,
+    newton_schulz_launches,
     optimizer_work,
     shampoo_flops,
     shard_for_tp,
     shipped_models,
     soap_flops,
     specs_from_shapes_file,
+    step_launches,
 )
 
 # ----------------------------------------------------------------------------- specs
@@ -294,7 +299,8 @@ def test_every_shipped_model_costs_are_finite() -> None:
 
 def test_roofline_charges_elementwise_passes_for_their_bytes():
     balance = 30.0
-    roofline = cost_model("roofline", "muon", machine_balance=balance)
+    # The launch floor off: these tensors are small enough for the GPU default to set their cost.
+    roofline = cost_model("roofline", "muon", machine_balance=balance, launch_bytes=0)
     embedding = ParamSpec(name="embed", shape=(4096, 256), matrix=False)
     matrix = ParamSpec(name="w", shape=(256, 1024), matrix=True)
     # AdamW: 24 fp32 element accesses per element, each byte worth `balance` matmul FLOPs.
@@ -326,10 +332,14 @@ def test_roofline_tp_shard_and_label():
     full = ParamSpec(name="w", shape=(256, 512), matrix=True)
     shard = ParamSpec(name="w", shape=(64, 512), matrix=True, tp_size=4, tp_dim=0)
     assert roofline.cost(shard) == pytest.approx(roofline.cost(full) / 4, rel=1e-12)
-    assert roofline.label == "roofline:muon(ns_method=standard,ns_steps=5,machine_balance=12.5)"
+    assert roofline.label == "roofline:muon(ns_method=standard,ns_steps=5,launch_bytes=1.5e+07,machine_balance=12.5)"
     assert cost_model("roofline").machine_balance == DEFAULT_MACHINE_BALANCE["cuda"]
     assert default_machine_balance("cpu") == DEFAULT_MACHINE_BALANCE["cpu"]
     assert default_machine_balance("xpu") == DEFAULT_MACHINE_BALANCE["cuda"]
+    assert cost_model("roofline").launch_bytes == DEFAULT_LAUNCH_BYTES["cuda"]
+    assert default_launch_bytes("cpu") == DEFAULT_LAUNCH_BYTES["cpu"]
+    assert default_launch_bytes("xpu") == DEFAULT_LAUNCH_BYTES["cuda"]
+    assert cost_model("roofline", launch_bytes=0).label.endswith(",launch_bytes=0,machine_balance=150)")
 
 
 @pytest.mark.parametrize("balance", [0, -1.0, float("nan"), float("inf"), True, "30"])
@@ -338,9 +348,159 @@ def test_roofline_rejects_a_bad_machine_balance(balance):
         cost_model("roofline", machine_balance=balance)
 
 
+@pytest.mark.parametrize("launch_bytes", [-1.0, float("nan"), float("inf"), True, "1e4"])
+def test_roofline_rejects_a_bad_launch_bytes(launch_bytes):
+    with pytest.raises(PlanError, match="launch_bytes"):
+        cost_model("roofline", launch_bytes=launch_bytes)
+
+
 def test_machine_balance_belongs_to_the_roofline_model_only():
     for name in ("flops", "numel"):
         with pytest.raises(PlanError, match="roofline cost model only"):
             cost_model(name, machine_balance=30.0)
+        with pytest.raises(PlanError, match="launch_bytes applies to the roofline cost model only"):
+            cost_model(name, launch_bytes=1e4)
     with pytest.raises(PlanError, match="'roofline', 'flops', 'numel'"):
         cost_model("time")
+
+
+# ----------------------------------------------------------------------------- launch floor
+
+
+def test_every_item_costs_at_least_its_launches():
+    """cost = max(work, balance · launch_bytes · launches): the floor binds on tiny items only."""
+    balance, launch = 150.0, 1.5e7
+    roofline = cost_model("roofline", "muon", machine_balance=balance, launch_bytes=launch)
+    bare = cost_model("roofline", "muon", machine_balance=balance, launch_bytes=0)
+    norm = ParamSpec(name="norm", shape=(4096,), matrix=False)
+    small = ParamSpec(name="k", shape=(1024, 4096), matrix=True)
+    big = ParamSpec(name="gate", shape=(12288, 4096), matrix=True)
+    # A norm's AdamW bytes are far under one launch on a GPU: its 10 launches set its cost.
+    assert bare.cost(norm) == balance * 4 * 24 * 4096 < balance * launch
+    assert roofline.cost(norm) == balance * launch * ADAMW_LAUNCHES
+    # A k_proj-sized Muon step is launch-bound at the GPU default too; an MLP matrix is not.
+    launches = step_launches(small, "muon")
+    assert launches == 4 + 4 + newton_schulz_launches(1024, 4096) == 71
+    assert roofline.cost(small) == balance * launch * launches > bare.cost(small)
+    assert roofline.cost(big) == bare.cost(big) > balance * launch * step_launches(big, "muon")
+    # A TP shard carries 1/tp_size of the launches, as of the work.
+    shard = ParamSpec(name="k", shape=(256, 4096), matrix=True, tp_size=4, tp_dim=0)
+    assert roofline.cost(shard) == pytest.approx(roofline.cost(small) / 4, rel=1e-12)
+    # The FLOPs and numel models know nothing of launches.
+    assert cost_model("flops").cost(norm) == ADAMW_FLOPS_PER_ELEMENT * 4096
+
+
+def test_thousands_of_tiny_tensors_are_not_free():
+    """Priced by their bytes alone, 300 norms look free and pile onto one rank with its share of matrices."""
+    from ds_canzona.plan import plan_dp_partitions
+
+    specs = [ParamSpec(name=f"w{i}", shape=(1024, 1024), matrix=True) for i in range(8)]
+    specs += [ParamSpec(name=f"norm{i}", shape=(64,), matrix=False) for i in range(300)]
+    aware = cost_model("roofline", "muon", machine_balance=150.0)
+    bare = cost_model("roofline", "muon", machine_balance=150.0, launch_bytes=0)
+    assert bare.cost(specs[-1]) < 1e-4 * bare.cost(specs[0])  # 64 elements of AdamW
+    assert aware.cost(specs[-1]) == 150.0 * 1.5e7 * ADAMW_LAUNCHES > 0.2 * aware.cost(specs[0])
+    blind = plan_dp_partitions(specs, world_size=4, bucket_numel=10**9, cost=bare)
+    seeing = plan_dp_partitions(specs, world_size=4, bucket_numel=10**9, cost=aware)
+    # Timed with the launches, the blind plan's busiest rank holds two matrices and every norm:
+    # 3.66x the average; the plan that sees them is within 0.5% of it.
+    blind_times = blind.rank_costs(aware)
+    assert max(blind.rank_tensors()) == 302 and max(blind_times) > 3.6 * sum(blind_times) / 4
+    assert seeing.flops_ratio < 1.005 and max(seeing.rank_tensors()) < 100
+
+
+class _LaunchCounter:
+    """Counts the ops one update dispatches that write a tensor of >= 1 dim (views and the 0-dim step counter out)."""
+
+    def __enter__(self):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if not func.is_view and any(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in tree_flatten(out)[0]):
+                    counter.launches += 1
+                return out
+
+        self.launches = 0
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+def _counted_launches(group: dict, shape: tuple[int, ...], warm: int, steps: int) -> float:
+    """Average launches over ``steps`` updates after ``warm`` ones, on the torch path of the rules."""
+    import torch
+
+    from ds_canzona import kernels
+    from ds_canzona.optim import rule_for_group
+
+    previous = kernels.get_backend()
+    kernels.set_backend("torch")
+    try:
+        rule = rule_for_group(group)
+        generator = torch.Generator().manual_seed(0)
+        param = torch.randn(shape, generator=generator)
+        state = rule.init_state(param)
+        total = 0
+        for step in range(warm + steps):
+            grad = torch.randn(shape, generator=generator)
+            if step < warm:
+                rule.update_([param], [grad], [state], lr=1e-3, known_finite=True)
+                continue
+            with _LaunchCounter() as counter:
+                rule.update_([param], [grad], [state], lr=1e-3, known_finite=True)
+            total += counter.launches
+        return total / steps
+    finally:
+        kernels.set_backend(previous)
+
+
+@pytest.mark.parametrize("group, shape, options, warm, steps", [
+    ({"kind": "adamw", "weight_decay": 0.1}, (64,), {}, 1, 1),
+    ({"kind": "muon", "weight_decay": 0.1}, (32, 64), {}, 1, 1),
+    ({"kind": "muon", "weight_decay": 0.1}, (64, 32), {}, 1, 1),  # tall: one more, a contiguous transpose
+    ({"kind": "muon", "weight_decay": 0.1}, (32, 32), {}, 1, 1),  # square: the standard iteration
+    ({"kind": "muon", "weight_decay": 0.1}, (3, 32, 64), {}, 1, 1),  # a stack: per matrix, plus a copy each
+    ({"kind": "muon", "weight_decay": 0.1}, (8, 4, 3, 3), {}, 1, 1),  # a convolution: one (8, 36) matrix
+    ({"kind": "muon", "weight_decay": 0.1, "ns_method": "standard"}, (64, 32), {"ns_method": "standard"}, 1, 1),
+    ({"kind": "muon", "weight_decay": 0.1, "ns_method": "standard"}, (3, 32, 64), {"ns_method": "standard"}, 1, 1),
+    ({"kind": "muon", "weight_decay": 0.1, "ns_steps": 2}, (32, 64), {"ns_steps": 2}, 1, 1),
+    ({"kind": "muon", "weight_decay": 0.1, "ns_steps": 7}, (32, 64), {"ns_steps": 7}, 1, 1),
+    # Shampoo's roots and SOAP's bases refresh every precondition_frequency steps: over that many
+    # steps past the start, one refresh each.
+    ({"kind": "shampoo", "weight_decay": 0.1, "precondition_frequency": 3}, (32, 64),
+     {"precondition_frequency": 3}, 3, 3),
+    ({"kind": "shampoo", "weight_decay": 0.1, "precondition_frequency": 3, "max_preconditioner_dim": 32},
+     (32, 64), {"precondition_frequency": 3, "max_preconditioner_dim": 32}, 3, 3),  # two blocks
+    ({"kind": "soap", "weight_decay": 0.1, "precondition_frequency": 3}, (32, 64), {"precondition_frequency": 3}, 1, 3),
+    ({"kind": "soap", "weight_decay": 0.1, "precondition_frequency": 3, "max_precond_dim": 40}, (32, 64),
+     {"precondition_frequency": 3, "max_preconditioner_dim": 40}, 1, 3),  # the long side unrotated
+])
+def test_launch_counts_are_what_the_rules_launch(group, shape, options, warm, steps):
+    """The model's launches per step against the ops the rules dispatch (torch path, weight decay on)."""
+    kind = group["kind"]
+    spec = ParamSpec(name="w", shape=shape, matrix=kind != "adamw")
+    expected = step_launches(spec, "muon" if kind == "adamw" else kind, **options)
+    assert _counted_launches(group, shape, warm, steps) == pytest.approx(expected, rel=1e-12)
+
+
+def test_calibrate_reports_the_launch_term_in_the_models_units(tmp_path, capsys):
+    from ds_canzona.bench.calibrate import main as calibrate_main
+
+    out = tmp_path / "calibrate.json"
+    assert calibrate_main(["--matrix", "256", "--vector", str(2**18), "--repeats", "1", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert 0 < data["launch_seconds"] < 1e-3
+    assert data["launch_bytes"] == pytest.approx(data["launch_seconds"] * data["elementwise_bytes_per_s"])
+    # One launch in matmul FLOPs is the balance times its bytes: the roofline model's floor per launch.
+    assert data["launch_flops"] == pytest.approx(data["machine_balance"] * data["launch_bytes"], rel=1e-9)
+    assert data["default_launch_bytes"] == DEFAULT_LAUNCH_BYTES["cpu"]
+    assert "launch_bytes=" in capsys.readouterr().out

@@ -328,11 +328,11 @@ def test_split_buckets_refine_the_joint_ones() -> None:
 
 
 def test_pieces_lift_the_embedding_floor_on_qwen3_8b() -> None:
-    """Whole, the 151936 x 4096 AdamW embedding alone is 1.86x a rank's share at DP=128."""
+    """Whole, the 151936 x 4096 AdamW embedding alone is 1.84x a rank's share at DP=128 (GPU launch floor)."""
     specs = model_specs("qwen3-8b")
     whole = plan_dp_partitions(specs, world_size=128, bucket_numel=500_000_000)
     pieces = plan_dp_partitions(specs, world_size=128, bucket_numel=500_000_000, split_numel=2**22)
-    assert whole.flops_ratio > 1.85
+    assert whole.flops_ratio > 1.84
     # In pieces the floor is the largest matrix; the plan matches unconstrained LPT over the items.
     assert pieces.flops_ratio < 1.3
     assert max(pieces.rank_costs()) <= 1.01 * max(lpt_loads(pieces.costs, 128))

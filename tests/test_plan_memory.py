@@ -96,7 +96,7 @@ def test_memory_comes_second_to_the_makespan_on_qwen3_8b():
         assert max(plan.rank_costs()) <= max(before_cost) * (1 + 1e-9)
         assert max(plan.rank_costs()) <= 1.02 * max(lpt_loads(plan.costs, world))
         average = sum(plan.memory) / world
-        # DP 32: 1.09 x the average (4.93 before); DP 64: 1.16 x (4.80 before) at LPT's makespan.
+        # DP 32: 1.08 x the average (4.60 before); DP 64: 1.17 x (4.61 before) at LPT's makespan.
         assert max(plan.rank_memory()) <= 1.25 * average
         assert max(before_memory) > 4 * average
 
@@ -236,9 +236,15 @@ def test_three_chain_search_equals_brute_force():
             assert owner[first:stop] == sorted(owner[first:stop])
 
 
-def test_qwen3_0_6b_at_dp128_reaches_lpt_on_three_buckets():
-    """On the two buckets the tied embedding used to share, the exact optimum is 3.2% above LPT; split off, LPT's."""
+def test_qwen3_0_6b_at_dp128_on_three_buckets():
+    """Joint, the two buckets' exact optimum is 0.7% above LPT; split off, a plan at LPT's makespan exists.
+
+    The planner keeps the joint optimum's makespan (0.7% above LPT, within the 2% it allows): the
+    exact three-bucket search only runs where no packing is within 2% of LPT. Before the launch
+    floor the joint optimum was 3.2% above LPT, and the search found LPT's makespan.
+    """
     from ds_canzona.plan._packing import Problem
+    from ds_canzona.plan._three_chains import owner_at
     from ds_canzona.plan._two_chains import optimal_owner
 
     roofline = cost_model("roofline", "muon", machine_balance=150.0)
@@ -252,8 +258,11 @@ def test_qwen3_0_6b_at_dp128_reaches_lpt_on_three_buckets():
     for item, rank in enumerate(owner):
         loads[rank] += plan.costs[item]
     lpt = max(lpt_loads(plan.costs, 128))
-    assert max(loads) > 1.03 * lpt  # no plan on the two buckets is within 2% of LPT here
-    assert max(plan.rank_costs()) <= lpt * (1 + 1e-9)  # the three-chain search finds one at LPT's
+    assert 1.005 * lpt < max(loads) < 1.01 * lpt
+    assert max(plan.rank_costs()) <= max(loads) * (1 + 1e-9)
+    three = Problem([s.numel for s in plan.specs], plan.costs, [(b.first, b.stop) for b in plan.buckets], 128,
+                    [None] * 3)
+    assert owner_at(three, [lpt]) is not None
 
 
 def test_pieces_get_buckets_of_their_own_and_small_tied_models_meet_the_memory_target():
@@ -271,14 +280,15 @@ def test_pieces_get_buckets_of_their_own_and_small_tied_models_meet_the_memory_t
     assert plan_buckets(specs, 2000, split_numel=1000) == [(0, 5)]  # nothing above 1000: nothing moves
 
     roofline = cost_model("roofline", "muon", machine_balance=150.0)
-    for name, world in (("qwen3-0.6b", 16), ("qwen3-1.7b", 32), ("qwen3-0.6b", 64), ("qwen3-1.7b", 64)):
+    # (Qwen3-1.7B at DP=64 met it too before the launch floor; now at 1.266: tests/test_plan_memory_target.py.)
+    for name, world in (("qwen3-0.6b", 16), ("qwen3-1.7b", 32), ("qwen3-0.6b", 64)):
         specs = model_specs(name)
         plan = plan_dp_partitions(specs, world_size=world, bucket_numel=500_000_000, cost=roofline,
                                   split_numel=2**22)
         assert plan.specs[plan.buckets[0].stop].name == "model.layers.0.self_attn.q_proj.weight"
         assert max(plan.rank_memory()) <= 1.25 * sum(plan.memory) / world, (name, world, plan.state_bytes_ratio)
         assert max(plan.rank_costs()) <= 1.02 * max(lpt_loads(plan.costs, world))
-        # Never slower than the cost-only plan on the buckets as they were (2.3x / 2.5x the average memory).
+        # Never slower than the cost-only plan on the buckets as they were (4.6x, 1.37x, 5.1x the average memory).
         before, _ = alpha_balanced([s.numel for s in plan.specs], list(plan.costs),
                                    joint_buckets(plan, specs, 500_000_000), world)
         before_loads = [0.0] * world
@@ -287,7 +297,7 @@ def test_pieces_get_buckets_of_their_own_and_small_tied_models_meet_the_memory_t
             before_loads[rank] += plan.costs[item]
             before_memory[rank] += plan.memory[item]
         assert max(plan.rank_costs()) <= max(before_loads) * (1 + 1e-9)
-        assert max(before_memory) > 2.0 * sum(plan.memory) / world
+        assert max(before_memory) > 1.3 * sum(plan.memory) / world
 
 
 def test_three_chain_search_with_a_memory_capacity_equals_brute_force():
@@ -337,64 +347,119 @@ def test_three_chain_search_with_a_memory_capacity_equals_brute_force():
     assert 10 < found < 70  # both answers are exercised
 
 
-def default_plan(name: str, world: int):
-    roofline = cost_model("roofline", "muon", machine_balance=150.0)
+def default_plan(name: str, world: int, ns_method: str = "gram"):
+    roofline = cost_model("roofline", "muon", machine_balance=150.0, ns_method=ns_method)
     return plan_dp_partitions(model_specs(name), world_size=world, bucket_numel=500_000_000, cost=roofline,
                               split_numel=2**22)
 
 
-def test_qwen3_0_6b_at_dp128_memory_target_is_out_of_reach_under_the_contract():
-    """The exact three-bucket search: no plan within 2% of LPT holds under 1.25x the average; the planner's is the least."""
+@pytest.mark.parametrize("ns_method, planned", [("gram", 1.346), ("standard", 1.550)])
+def test_qwen3_0_6b_at_dp128_memory_target_is_out_of_reach_under_the_contract(ns_method, planned):
+    """The exact three-bucket search: no plan within 2% of LPT holds under 1.25x the average.
+
+    The planner's busiest memory is within 1% of the least the search finds at that step time
+    (the planner bisects the same search on the memory capacity where the target is out of reach).
+    """
     from ds_canzona.plan._packing import Problem
     from ds_canzona.plan._three_chains import owner_at
 
     world = 128
-    plan = default_plan("qwen3-0.6b", world)
+    plan = default_plan("qwen3-0.6b", world, ns_method)
     assert len(plan.buckets) == 3
     problem = Problem([s.numel for s in plan.specs], plan.costs, [(b.first, b.stop) for b in plan.buckets], world,
                       [None] * 3)
     gate = 1.02 * max(lpt_loads(plan.costs, world))  # the most step time the memory criterion may buy
     average = sum(plan.memory) / world
     assert owner_at(problem, [gate], memory=plan.memory, memory_capacity=1.25 * average) is None
-    # The least busiest memory under the contract at that step time is the planner's, to 0.01%.
     peak = max(plan.rank_memory())
-    assert peak / average == pytest.approx(1.753, abs=5e-4)
+    assert peak / average == pytest.approx(planned, abs=5e-4)
     assert max(plan.rank_costs()) <= gate
-    assert owner_at(problem, [gate], memory=plan.memory, memory_capacity=0.9999 * peak) is None
+    assert owner_at(problem, [gate], memory=plan.memory, memory_capacity=0.99 * peak) is None
     assert owner_at(problem, [gate], memory=plan.memory, memory_capacity=peak) is not None
 
 
-def test_qwen3_1_7b_at_dp128_memory_target_is_out_of_reach_in_any_order():
-    """A counting bound, buffer order ignored: below MLP + one embedding piece, 1.25x the average cannot be met.
+def most_pieces(bins: int, classes: list[tuple[float, float, int]], piece: tuple[float, float], capacity: float,
+                memory_capacity: float) -> int:
+    """The most pieces ``bins`` alike ranks hold besides every item of two classes, in any order (exact).
+
+    ``classes``: two (cost, bytes, count) classes that must all be placed; ``piece``: (cost, bytes) of
+    one piece. A rank holding x of the first class and y of the second has room for a fixed number
+    of pieces; dynamic programming over the ranks maximises their sum with exactly every item placed.
+    """
+    (cost_a, memory_a, count_a), (cost_b, memory_b, count_b) = classes
+    piece_cost, piece_memory = piece
+    mixes = []
+    for x in range(count_a + 1):
+        for y in range(count_b + 1):
+            cost, held = x * cost_a + y * cost_b, x * memory_a + y * memory_b
+            if cost <= capacity and held <= memory_capacity:
+                room = min(math.floor((capacity - cost) / piece_cost), math.floor((memory_capacity - held) / piece_memory))
+                mixes.append((x, y, room))
+    best = {(0, 0): 0}
+    for _ in range(bins):
+        reached: dict[tuple[int, int], int] = {}
+        for (a, b), pieces in best.items():
+            for x, y, room in mixes:
+                key = (a + x, b + y)
+                if key[0] <= count_a and key[1] <= count_b and reached.get(key, -1) < pieces + room:
+                    reached[key] = pieces + room
+        best = reached
+    return best.get((count_a, count_b), -1)
+
+
+def test_most_pieces_equals_brute_force():
+    import itertools
+    import random
+
+    rng = random.Random(3)
+    for _ in range(40):
+        bins = rng.randint(1, 3)
+        classes = [(float(rng.randint(1, 5)), float(rng.randint(1, 5)), rng.randint(0, 3)) for _ in range(2)]
+        piece = (float(rng.randint(1, 3)), float(rng.randint(1, 3)))
+        capacity, memory_capacity = float(rng.randint(3, 12)), float(rng.randint(3, 12))
+        items = [0] * classes[0][2] + [1] * classes[1][2]
+        best = -1
+        for ranks in itertools.product(range(bins), repeat=len(items)):
+            cost, held = [0.0] * bins, [0.0] * bins
+            for kind, rank in zip(items, ranks):
+                cost[rank] += classes[kind][0]
+                held[rank] += classes[kind][1]
+            if max(cost) <= capacity and max(held) <= memory_capacity:
+                best = max(best, sum(min(math.floor((capacity - c) / piece[0]), math.floor((memory_capacity - h) / piece[1]))
+                                     for c, h in zip(cost, held)))
+        assert most_pieces(bins, classes, piece, capacity, memory_capacity) == best
+
+
+@pytest.mark.parametrize("ns_method, planned", [("gram", 1.280), ("standard", 1.397)])
+def test_qwen3_1_7b_at_dp128_memory_target_is_out_of_reach_in_any_order(ns_method, planned):
+    """A bound in any buffer order: with every MLP rank full, the other ranks cannot hold the pieces.
 
     Items (the plan's own costs and bytes): MLP matrices (a), q/o projections (b), k/v projections
     (c), embedding pieces (p); norms and the short last piece are dropped (fewer items can only
-    lower the bound). At a makespan C < min(2a, a + p, a + c, 3b, 2b + p, 2b + c), every MLP rank
-    holds one MLP and none of b, c, p; the other R - #a ranks hold everything else, at most two q/o
-    each, and a rank with two q/o holds nothing more. With t such ranks, 2t + (R - #a - t) >= #b, and
-    the rest of the bytes fall on the other R - #a - t ranks.
+    make room). At any makespan the memory criterion may buy (at most 2% above LPT), an MLP and a
+    q/o or a k/v exceed it in cost and an MLP and a piece exceed 1.25x the average in bytes, so each
+    of the 84 MLP ranks holds nothing else; the other 44 hold every b and c and, exactly counted
+    (``most_pieces``), fewer pieces than there are.
     """
     world = 128
-    plan = default_plan("qwen3-1.7b", world)
+    plan = default_plan("qwen3-1.7b", world, ns_method)
     by_shape: dict[tuple[int, ...], list[int]] = {}
     for item, spec in enumerate(plan.specs):
         by_shape.setdefault(spec.shape, []).append(item)
     mlp = by_shape[(6144, 2048)] + by_shape[(2048, 6144)]
     qo, kv, pieces = by_shape[(2048, 2048)], by_shape[(1024, 2048)], by_shape[(2**22,)]
-    a, b, c, p = (plan.costs[group[0]] for group in (mlp, qo, kv, pieces))
     for group in (mlp, qo, kv, pieces):  # each a class of equal items
         assert len({(plan.costs[i], plan.memory[i]) for i in group}) == 1
-    ceiling = min(2 * a, a + p, a + c, 3 * b, 2 * b + p, 2 * b + c)
+    (a, b, c, p), (ma, mb, mc, mp) = ((plan.costs[g[0]] for g in (mlp, qo, kv, pieces)),
+                                      (plan.memory[g[0]] for g in (mlp, qo, kv, pieces)))
     gate = 1.02 * max(lpt_loads(plan.costs, world))
-    assert gate < ceiling  # the argument covers every makespan the memory criterion may buy
-    others = world - len(mlp)
-    pairs = len(qo) - others  # the fewest ranks with two q/o
-    total = sum(plan.memory[i] for i in qo + kv + pieces)
-    assert total / others > 2 * plan.memory[qo[0]]  # so more such ranks only raise the bound
-    rest = sum(plan.memory[i] for i in qo + kv + pieces) - pairs * 2 * plan.memory[qo[0]]
-    bound = rest / (others - pairs)
     average = sum(plan.memory) / world
-    assert (len(mlp), len(qo), len(kv), len(pieces), others, pairs) == (84, 56, 56, 74, 44, 12)
-    assert bound / average == pytest.approx(1.488, abs=5e-4)
-    assert bound > 1.25 * average
-    assert max(plan.rank_memory()) >= bound
+    target = 1.25 * average
+    assert target >= 1.05 * max(plan.memory)
+    assert a + min(b, c) > gate and 2 * a > gate and ma + mp > target  # an MLP rank holds only its MLP
+    others = world - len(mlp)
+    placed = most_pieces(others, [(b, mb, len(qo)), (c, mc, len(kv))], (p, mp), gate, target)
+    assert (len(mlp), len(qo), len(kv), len(pieces), others) == (84, 56, 56, 74, 44)
+    assert placed < len(pieces), placed
+    assert max(plan.rank_costs()) <= gate
+    assert max(plan.rank_memory()) / average == pytest.approx(planned, abs=5e-4)

@@ -17,7 +17,8 @@ sweep showing the trade between even communication and even compute.
 5e8 buckets, bf16 Muon state) before and after memory became its second criterion: the busiest
 rank's cost and state bytes over their averages, against unconstrained LPT and the memory target
 max(1.25, 1.05 x largest item / average); ``--families`` adds the config.json files of other
-families (``FAMILY_CONFIGS``), read through ``specs_from_hf_config`` like ``--hf-config``.
+families (``FAMILY_CONFIGS``), read through ``specs_from_hf_config`` like ``--hf-config``; ``--ns-methods
+gram,standard`` plans each with both Newton-Schulz pricings of the Muon cost.
 
 ``python -m ds_canzona.bench plan-speed``: how long planning 10,000 tensors for DP=1024 takes.
 Times are CPU seconds of the planning process (the planner is single-threaded, so on an idle
@@ -59,6 +60,10 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
     "gemma-7b": {"model_type": "gemma", "architectures": ["GemmaForCausalLM"], "vocab_size": 256000,
                  "hidden_size": 3072, "intermediate_size": 24576, "num_hidden_layers": 28, "num_attention_heads": 16,
                  "num_key_value_heads": 16, "head_dim": 256, "tie_word_embeddings": True},
+    "gemma2-9b": {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "vocab_size": 256000,
+                  "hidden_size": 3584, "intermediate_size": 14336, "num_hidden_layers": 42, "num_attention_heads": 16,
+                  "num_key_value_heads": 8, "head_dim": 256, "tie_word_embeddings": True, "attention_bias": False,
+                  "query_pre_attn_scalar": 256, "sliding_window": 4096},
     "qwen2.5-7b": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064,
                    "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
                    "num_key_value_heads": 4, "tie_word_embeddings": False},
@@ -110,6 +115,7 @@ class MemoryRow:
     cost_at_target: float | None = None
     """Where memory misses the target: the cost of the plan capped at the target (canzona.max_state_bytes_per_rank);
     inf if the planner finds no plan under it."""
+    ns_method: str = "gram"
 
     @property
     def cost_ok(self) -> bool:
@@ -173,42 +179,44 @@ def balance_study(
     return rows
 
 
-def memory_study(sources: Sequence[tuple[str, list[ParamSpec]]], dp_sizes: Sequence[int] = DP_SIZES) -> list[MemoryRow]:
-    """The default plan against the cost-only one (the planner before memory counted), per source and DP."""
-    roofline = cost_model("roofline", "muon", machine_balance=MEMORY_MACHINE_BALANCE)
+def memory_study(sources: Sequence[tuple[str, list[ParamSpec]]], dp_sizes: Sequence[int] = DP_SIZES,
+                 ns_methods: Sequence[str] = ("gram",)) -> list[MemoryRow]:
+    """The default plan against the cost-only one (the planner before memory counted), per source, pricing and DP."""
     rows = []
     for name, specs in sources:
-        for dp in dp_sizes:
-            started = time.process_time()
-            plan = plan_dp_partitions(specs, world_size=dp, bucket_numel=MEMORY_BUCKET, cost=roofline,
-                                      split_numel=DEFAULT_SPLIT_NUMEL)
-            seconds = time.process_time() - started
-            # Before: the cost-only packing on the buckets as they were (tensors in pieces sharing
-            # buckets with their neighbours), which is also a plan on the default plan's buckets.
-            before, _ = alpha_balanced([spec.numel for spec in plan.specs], list(plan.costs),
-                                       joint_item_buckets(plan, plan_buckets(specs, MEMORY_BUCKET)), dp)
-            cost_before, memory_before = [0.0] * dp, [0.0] * dp
-            for item, rank in enumerate(before):
-                cost_before[rank] += plan.costs[item]
-                memory_before[rank] += plan.memory[item]
-            mean_cost, mean_memory = sum(plan.costs) / dp, sum(plan.memory) / dp
-            largest = max(range(len(plan.specs)), key=lambda i: (plan.memory[i], -i))
-            target = max(1.25, 1.05 * plan.memory[largest] / mean_memory)
-            cost_at_target = None
-            if plan.state_bytes_ratio > target:
-                try:
-                    capped = plan_dp_partitions(specs, world_size=dp, bucket_numel=MEMORY_BUCKET, cost=roofline,
-                                                split_numel=DEFAULT_SPLIT_NUMEL,
-                                                max_state_bytes_per_rank=int(target * mean_memory))
-                    cost_at_target = capped.flops_ratio
-                except MemoryCapError:
-                    cost_at_target = float("inf")
-            rows.append(MemoryRow(
-                model=name, dp=dp, lpt=max(lpt_loads(plan.costs, dp)) / mean_cost,
-                cost_before=max(cost_before) / mean_cost, memory_before=max(memory_before) / mean_memory,
-                cost_after=plan.flops_ratio, memory_after=plan.state_bytes_ratio,
-                memory_target=target, largest_memory=plan.specs[largest].name, seconds=seconds,
-                cost_at_target=cost_at_target))
+        for ns_method in ns_methods:
+            roofline = cost_model("roofline", "muon", machine_balance=MEMORY_MACHINE_BALANCE, ns_method=ns_method)
+            for dp in dp_sizes:
+                started = time.process_time()
+                plan = plan_dp_partitions(specs, world_size=dp, bucket_numel=MEMORY_BUCKET, cost=roofline,
+                                          split_numel=DEFAULT_SPLIT_NUMEL)
+                seconds = time.process_time() - started
+                # Before: the cost-only packing on the buckets as they were (tensors in pieces sharing
+                # buckets with their neighbours), which is also a plan on the default plan's buckets.
+                before, _ = alpha_balanced([spec.numel for spec in plan.specs], list(plan.costs),
+                                           joint_item_buckets(plan, plan_buckets(specs, MEMORY_BUCKET)), dp)
+                cost_before, memory_before = [0.0] * dp, [0.0] * dp
+                for item, rank in enumerate(before):
+                    cost_before[rank] += plan.costs[item]
+                    memory_before[rank] += plan.memory[item]
+                mean_cost, mean_memory = sum(plan.costs) / dp, sum(plan.memory) / dp
+                largest = max(range(len(plan.specs)), key=lambda i: (plan.memory[i], -i))
+                target = max(1.25, 1.05 * plan.memory[largest] / mean_memory)
+                cost_at_target = None
+                if plan.state_bytes_ratio > target:
+                    try:
+                        capped = plan_dp_partitions(specs, world_size=dp, bucket_numel=MEMORY_BUCKET, cost=roofline,
+                                                    split_numel=DEFAULT_SPLIT_NUMEL,
+                                                    max_state_bytes_per_rank=int(target * mean_memory))
+                        cost_at_target = capped.flops_ratio
+                    except MemoryCapError:
+                        cost_at_target = float("inf")
+                rows.append(MemoryRow(
+                    model=name, dp=dp, lpt=max(lpt_loads(plan.costs, dp)) / mean_cost,
+                    cost_before=max(cost_before) / mean_cost, memory_before=max(memory_before) / mean_memory,
+                    cost_after=plan.flops_ratio, memory_after=plan.state_bytes_ratio,
+                    memory_target=target, largest_memory=plan.specs[largest].name, seconds=seconds,
+                    cost_at_target=cost_at_target, ns_method=ns_method))
     return rows
 
 
@@ -223,15 +231,15 @@ def joint_item_buckets(plan: DPPlan, tensor_buckets: Sequence[tuple[int, int]]) 
 
 def memory_markdown(rows: Sequence[MemoryRow]) -> str:
     lines = [
-        "| model | DP | LPT | cost before | cost after | vs LPT | memory before | memory after | target | met "
+        "| model | NS | DP | LPT | cost before | cost after | vs LPT | memory before | memory after | target | met "
         "| cost with memory capped at target |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for row in rows:
         met = {(True, True): "both", (True, False): "cost", (False, True): "memory"}.get((row.cost_ok, row.memory_ok),
                                                                                        "neither")
         lines.append(
-            f"| {row.model} | {row.dp} | {row.lpt:.3f} | {row.cost_before:.3f} | **{row.cost_after:.3f}** "
+            f"| {row.model} | {row.ns_method} | {row.dp} | {row.lpt:.3f} | {row.cost_before:.3f} | **{row.cost_after:.3f}** "
             f"| {row.cost_after / row.lpt - 1:+.1%} | {row.memory_before:.3f} | **{row.memory_after:.3f}** "
             f"| {row.memory_target:.3f} | {met} | {_capped_cell(row.cost_at_target)} |"
         )
@@ -429,7 +437,7 @@ def run_memory(args: argparse.Namespace, models: list[str], dps: list[int]) -> i
     if args.families:
         with tempfile.TemporaryDirectory() as folder:
             sources += family_specs(list(FAMILY_CONFIGS), folder)
-    rows = memory_study(sources, dps)
+    rows = memory_study(sources, dps, [method.strip() for method in args.ns_methods.split(",")])
     print(memory_markdown(rows))
     print()
     print(f"cost within 2% of LPT in {sum(row.cost_ok for row in rows)}/{len(rows)} cells, memory within target in "
@@ -448,6 +456,8 @@ def add_balance_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--families", action="store_true",
                         help="with --memory: also Llama-3, Gemma, Qwen2.5 and a 64-expert MoE from config.json "
                              "(needs torch and transformers)")
+    parser.add_argument("--ns-methods", default="gram",
+                        help="with --memory: comma-separated Newton-Schulz pricings of the Muon cost (gram, standard)")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated shipped models")
     parser.add_argument("--dp", default=",".join(map(str, DP_SIZES)), help="comma-separated DP sizes")
     parser.add_argument("--buckets", default="4e7,5e8", help="comma-separated bucket sizes in elements")

@@ -9,9 +9,14 @@ elementwise op. This command measures both rates with the per-tensor rules the r
 - Muon on a square matrix is mostly Newton-Schulz products: its time, less its elementwise part
   at that bandwidth, gives the matmul FLOP/s;
 
-and prints their ratio, ready for ``"canzona": {"machine_balance": ...}``. The runtime never
-measures by itself: every rank must compute the same plan, so the value comes from the config
-(or the device kind's default, ``ds_canzona.plan.DEFAULT_MACHINE_BALANCE``).
+- a tiny in-place add, many times over, is launch latency only: its time per op, times the
+  elementwise bytes/s, is one launch in elementwise bytes (the model's ``launch_bytes``), and
+  times the matmul FLOP/s, one launch in the model's unit (``machine_balance · launch_bytes``);
+
+and prints the balance, ready for ``"canzona": {"machine_balance": ...}``, and the launch term,
+ready for ``cost_model("roofline", launch_bytes=...)``. The runtime never measures by itself:
+every rank must compute the same plan, so the values come from the config (or the device kind's
+defaults, ``ds_canzona.plan.DEFAULT_MACHINE_BALANCE`` and ``DEFAULT_LAUNCH_BYTES``).
 """
 
 from __future__ import annotations
@@ -43,6 +48,17 @@ class Calibration:
     matmul_flops_per_s: float
     machine_balance: float
     default: float
+    launch_seconds: float
+    """One tiny elementwise op, launched back to back: the latency of a launch."""
+    launch_bytes: float
+    """That latency in elementwise bytes (launch seconds x elementwise bytes/s): the model's ``launch_bytes``."""
+    launch_flops: float
+    """The same in the model's unit, matmul FLOPs (``machine_balance · launch_bytes``)."""
+    default_launch_bytes: float
+
+# Back-to-back launches of the tiny op per timed sample, and its elements (a few cache lines).
+LAUNCHES_PER_SAMPLE = 2000
+TINY_ELEMENTS = 64
 
 
 def _median_seconds(run, repeats: int, synchronize) -> float:
@@ -62,7 +78,7 @@ def calibrate(*, matrix: int, vector: int, repeats: int = 3, threads: int | None
     import torch
 
     from ..optim import rule_for_group
-    from ..plan import ParamSpec, StepWork, default_machine_balance, optimizer_work
+    from ..plan import ParamSpec, StepWork, default_launch_bytes, default_machine_balance, optimizer_work
     from ..plan.cost import STATE_ELEMENT_BYTES
 
     if matrix < 2 or vector < 1 or repeats < 1:
@@ -86,6 +102,13 @@ def calibrate(*, matrix: int, vector: int, repeats: int = 3, threads: int | None
 
         adamw_seconds = timed("adamw", (vector,))
         muon_seconds = timed("muon", (matrix, matrix))
+        tiny = torch.zeros(TINY_ELEMENTS, device=device)
+
+        def launches() -> None:
+            for _ in range(LAUNCHES_PER_SAMPLE):
+                tiny.add_(1.0)
+
+        launch_seconds = _median_seconds(launches, repeats, synchronize) / LAUNCHES_PER_SAMPLE
         used_threads = torch.get_num_threads()
     finally:
         torch.set_num_threads(previous)
@@ -101,7 +124,9 @@ def calibrate(*, matrix: int, vector: int, repeats: int = 3, threads: int | None
     return Calibration(device=device_kind, threads=used_threads, matrix=matrix, vector=vector,
                        muon_seconds=muon_seconds, adamw_seconds=adamw_seconds, elementwise_bytes_per_s=bandwidth,
                        matmul_flops_per_s=flops_per_s, machine_balance=flops_per_s / bandwidth,
-                       default=default_machine_balance(device_kind))
+                       default=default_machine_balance(device_kind), launch_seconds=launch_seconds,
+                       launch_bytes=launch_seconds * bandwidth, launch_flops=launch_seconds * flops_per_s,
+                       default_launch_bytes=default_launch_bytes(device_kind))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -126,7 +151,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"  Muon on {result.matrix} x {result.matrix}: {result.muon_seconds * 1e3:.1f} ms -> matmul "
           f"{result.matmul_flops_per_s / 1e9:.1f} GFLOP/s")
     print(f"  machine balance {result.machine_balance:.1f} FLOPs/byte (default for {result.device}: {result.default:g})")
+    print(f"  a tiny add, {LAUNCHES_PER_SAMPLE} back to back: {result.launch_seconds * 1e6:.2f} us per launch -> "
+          f"launch_bytes {result.launch_bytes:.3g} (default for {result.device}: {result.default_launch_bytes:g}), "
+          f"{result.launch_flops:.3g} matmul FLOPs")
     print(f'\n"canzona": {{"cost_model": "roofline", "machine_balance": {result.machine_balance:.0f}}}')
+    print(f'cost_model("roofline", machine_balance={result.machine_balance:.0f}, launch_bytes={result.launch_bytes:.2g})')
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(asdict(result), handle, indent=1)
@@ -134,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 CALIBRATE = Command(description="Measure this device's machine balance (matmul FLOP/s over elementwise bytes/s) "
-                    "for the roofline cost model, with the runtime's own Muon and AdamW rules.",
+                    "and kernel launch latency for the roofline cost model, with the runtime's own Muon and "
+                    "AdamW rules.",
                     add_arguments=add_arguments, run=run)
 
 

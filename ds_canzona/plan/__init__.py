@@ -6,7 +6,9 @@ Pure Python and deterministic; nothing here imports torch.distributed, and only
 
 from .cost import (
     ADAMW_FLOPS_PER_ELEMENT,
+    ADAMW_LAUNCHES,
     COST_MODELS,
+    DEFAULT_LAUNCH_BYTES,
     DEFAULT_MACHINE_BALANCE,
     CostModel,
     FlopsCost,
@@ -15,12 +17,15 @@ from .cost import (
     StepWork,
     adamw_flops,
     cost_model,
+    default_launch_bytes,
     default_machine_balance,
     muon_flops,
     newton_schulz_flops,
+    newton_schulz_launches,
     optimizer_work,
     shampoo_flops,
     soap_flops,
+    step_launches,
 )
 from .dp import (
     DEFAULT_SPLIT_NUMEL,
@@ -75,7 +80,9 @@ from .tp import (
 
 __all__ = [
     "ADAMW_FLOPS_PER_ELEMENT",
+    "ADAMW_LAUNCHES",
     "COST_MODELS",
+    "DEFAULT_LAUNCH_BYTES",
     "DEFAULT_MACHINE_BALANCE",
     "DEFAULT_SPLIT_NUMEL",
     "STRATEGIES",
@@ -98,6 +105,7 @@ __all__ = [
     "adamw_flops",
     "alpha_balanced",
     "cost_model",
+    "default_launch_bytes",
     "default_machine_balance",
     "default_matrix_rule",
     "load_model_config",
@@ -107,6 +115,7 @@ __all__ = [
     "model_specs",
     "muon_flops",
     "newton_schulz_flops",
+    "newton_schulz_launches",
     "optimizer_work",
     "piece_bounds",
     "plan_buckets",
@@ -125,6 +134,7 @@ __all__ = [
     "specs_from_shapes_file",
     "start_index",
     "state_elements",
+    "step_launches",
     "tp_host_bytes",
     "tp_split_dim",
     "uniform",

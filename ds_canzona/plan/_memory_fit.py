@@ -35,6 +35,11 @@ cost goes above C and the busiest memory strictly drops. Where that leaves memor
 target, the sand is poured again around the rocks as the search left them, and searched again
 (``REPOUR_ROUNDS``): a search moves one item at a time, a pouring moves a whole run.
 
+Exchanges (``_free_chains``): the pieces of a tensor alone in its bucket are moved by counts, any
+number of them to any rank, against a run of items coming back the other way; where one exchange
+would only move the excess, two (an ejection). A plan a little above the makespan whose memory is
+good is repaired towards it by the same moves with memory held (:class:`CostRepair`).
+
 Under ``alpha < 1`` (element caps per segment) the pouring is skipped: memory is improved by the
 local search alone, which respects the caps.
 """
@@ -45,8 +50,9 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ._free_chains import COST, MEMORY, ChainExchanges
 from ._loads import LoadTree
-from ._packing import Assignment, LocalSearch, Problem, _assignment, balance
+from ._packing import Assignment, LocalSearch, Problem, _assignment, _search_budget, balance
 from ._three_chains import owner_at
 from ._two_chains import optimal_owner
 
@@ -183,20 +189,26 @@ class _Pouring:
         return best
 
 
-class MemorySearch(LocalSearch):
-    """Lower the busiest rank's memory by moves and swaps that keep every cost within ``capacity``."""
+class MemorySearch(ChainExchanges, LocalSearch):
+    """Lower the busiest rank's memory by moves, swaps and free-chain exchanges that keep every cost within ``capacity``."""
 
     def __init__(self, problem: Problem, assignment: Assignment, memory: Sequence[float], capacity: float,
-                 budget: int) -> None:
+                 budget: int, chains: Sequence[tuple[int, int]] = (), goal: float = 0.0) -> None:
         super().__init__(problem, assignment, budget)
         self.memory = memory
         self.capacity = capacity * (1.0 + SAME_MAKESPAN)
+        # Two-step exchanges (ejections) cost many single ones: tried only above this memory.
+        self.goal = goal
         self.memory_loads = LoadTree.from_loads(_loads(problem.world, assignment.owner, memory))
+        # ``chains``: tensors in pieces alone in a bucket, re-partitioned by counts (exchanges).
+        self.track_chains(chains)
 
     def run(self) -> None:
         while self.budget > 0:
             busiest = self.memory_loads.busiest()
-            if not (self._best_memory_move(busiest) or self._best_memory_swap(busiest)):
+            if not (self._best_memory_move(busiest) or self._best_memory_swap(busiest)
+                    or self.best_exchange(busiest, MEMORY, self.capacity)
+                    or (self.memory_loads.max_load() > self.goal and self.ejection(busiest, MEMORY, self.capacity))):
                 return
 
     def _best_memory_move(self, busiest: int) -> bool:
@@ -268,14 +280,65 @@ class MemorySearch(LocalSearch):
         super()._move(param, source, target)
         self.memory_loads.add(source, -self.memory[param])
         self.memory_loads.add(target, self.memory[param])
+        self.count_move(param, source, target)
+
+
+class CostRepair(ChainExchanges, LocalSearch):
+    """Lower the busiest rank's cost, keeping every rank's memory within ``memory_capacity``.
+
+    The memory search's dual, for a plan that holds memory well but sits a little above the
+    makespan: moves of one item within its window, and exchanges of free-chain pieces.
+    """
+
+    def __init__(self, problem: Problem, assignment: Assignment, memory: Sequence[float], memory_capacity: float,
+                 budget: int, chains: Sequence[tuple[int, int]]) -> None:
+        super().__init__(problem, assignment, budget)
+        self.memory = memory
+        self.memory_capacity = memory_capacity
+        self.memory_loads = LoadTree.from_loads(_loads(problem.world, assignment.owner, memory))
+        self.track_chains(chains)
+
+    def run_to(self, goal: float) -> None:
+        while self.budget > 0 and self.state.loads.max_load() > goal:
+            busiest = self.state.loads.busiest()
+            if not (self._best_capped_move(busiest) or self.best_exchange(busiest, COST, self.memory_capacity)):
+                return
+
+    def _best_capped_move(self, busiest: int) -> bool:
+        loads, mem = self.state.loads.loads(), self.memory_loads.loads()
+        costs, memory = self.problem.costs, self.memory
+        top = loads[busiest]
+        best: tuple[float, int, int] | None = None
+        for item in self.on_rank[busiest]:
+            low, high = self._window(item)
+            self.budget -= high - low + 1
+            for rank in range(low, high + 1):
+                if rank == busiest or mem[rank] + memory[item] > self.memory_capacity or not self._fits(item, rank):
+                    continue
+                peak = max(top - costs[item], loads[rank] + costs[item])
+                if peak < top * (1.0 - 1e-12) and (best is None or (peak, item, rank) < best):
+                    best = (peak, item, rank)
+        if best is None:
+            return False
+        _, item, rank = best
+        self._move(item, busiest, rank)
+        return True
+
+    def _move(self, param: int, source: int, target: int) -> None:
+        super()._move(param, source, target)
+        self.memory_loads.add(source, -self.memory[param])
+        self.memory_loads.add(target, self.memory[param])
+        self.count_move(param, source, target)
 
 
 def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_owner: list[int],
-        *, memory_cap: float | None = None, reference_owner: list[int] | None = None) -> FitResult:
+        *, memory_cap: float | None = None, reference_owner: list[int] | None = None,
+        chains: Sequence[tuple[int, int]] = ()) -> FitResult:
     """The lexicographic plan: least makespan, then least busiest memory (see the module docstring).
 
     With ``memory_cap``, a plan over the cap is not accepted: the makespan is raised (bisection on
-    the cost capacity) until one fits. Raises ``MemoryCapUnreachable`` if none does.
+    the cost capacity) until one fits. Raises ``MemoryCapUnreachable`` if none does. ``chains``:
+    the item ranges of tensors in pieces, each alone in its bucket (see ``_free_chains``).
     """
     world = problem.world
     candidates = [cost_owner]
@@ -309,7 +372,7 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
         rock_plans.append(exact)
     pourings = [_Pouring(problem, memory, sand, owner) for owner in rock_plans] if pourable else []
     for pouring in pourings:
-        candidates.append(pouring.fewest_cost(problem.lower_bound()))
+        candidates.append(_polished(problem, pouring.fewest_cost(problem.lower_bound())))
     lpt_makespan = _lpt_makespan(problem.costs, world)
     if min(_max_load(world, owner, problem.costs) for owner in candidates) > (1.0 + MAKESPAN_OVER_LPT) * lpt_makespan:
         # Three buckets (a small tied model, its embedding split off) and no packing within the
@@ -319,7 +382,7 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
             candidates.append(three)
             if pourable:
                 pourings.append(_Pouring(problem, memory, sand, three))
-                candidates.append(pourings[-1].fewest_cost(problem.lower_bound()))
+                candidates.append(_polished(problem, pourings[-1].fewest_cost(problem.lower_bound())))
     # The makespan: the best found (give or take MAKESPAN_TOLERANCE); up to the budget if that buys
     # memory down to the target, never above the cost portfolio's own plan (see the module docstring).
     best_makespan = min(_max_load(world, owner, problem.costs) for owner in candidates)
@@ -329,6 +392,19 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
     budget = min(portfolio_makespan, max(makespan, over_lpt))
     memory_target = max(MEMORY_OVER_AVERAGE * total_memory / world,
                         MEMORY_OVER_LARGEST * max(memory, default=0.0))
+    # Where the search is worth its two-step exchanges: above the target, or the cap if lower.
+    goal = memory_target if memory_cap is None else min(memory_target, memory_cap)
+    if pourable:
+        # Plans a little slower than the makespan may get there without giving up their memory.
+        for owner in list(candidates):
+            if makespan * (1.0 + SAME_MAKESPAN) < _max_load(world, owner, problem.costs) \
+                    <= makespan * (1.0 + MAKESPAN_TOLERANCE):
+                assignment = _assignment(problem, list(owner))
+                repair = CostRepair(problem, assignment, memory, max(_max_load(world, owner, memory), memory_target),
+                                    budget=_memory_budget(problem), chains=chains)
+                repair.run_to(makespan)
+                if assignment.loads.max_load() <= makespan * (1.0 + SAME_MAKESPAN):
+                    candidates.append(assignment.owner)
 
     def best_at(capacity: float) -> tuple[list[int], float]:
         room = capacity * (1.0 + SAME_MAKESPAN)
@@ -341,7 +417,8 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
         for owner in options:
             for _ in range(REPOUR_ROUNDS + 1 if pourable and not problem.capped else 1):
                 assignment = _assignment(problem, list(owner))
-                search = MemorySearch(problem, assignment, memory, capacity, budget=_memory_budget(problem))
+                search = MemorySearch(problem, assignment, memory, capacity, budget=_memory_budget(problem), chains=chains,
+                                      goal=goal)
                 search.run()
                 key = (search.memory_loads.max_load(), assignment.owner)
                 if chosen is None or key < chosen:
@@ -402,7 +479,8 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
             if poured is None:
                 continue
             assignment = _assignment(problem, poured)
-            search = MemorySearch(problem, assignment, memory, budget, budget=_memory_budget(problem))
+            search = MemorySearch(problem, assignment, memory, budget, budget=_memory_budget(problem), chains=chains,
+                                  goal=goal)
             search.run()
             if search.memory_loads.max_load() < peak:
                 owner, peak = assignment.owner, search.memory_loads.max_load()
@@ -426,6 +504,20 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
                     high_owner, high = trial, middle
             candidates.append(high_owner)
             owner, peak = best_at(high)
+        else:
+            # Out of reach at the budget: the least memory the search finds there, bisected on the
+            # memory capacity between the target and the plan so far.
+            floor_memory, ceiling_memory = memory_target, peak
+            for _ in range(THREE_CHAIN_STEPS):
+                middle = (floor_memory + ceiling_memory) / 2.0
+                trial = owner_at(problem, [budget], memory=memory, memory_capacity=middle)
+                if trial is None:
+                    floor_memory = middle
+                else:
+                    high_owner, ceiling_memory = trial, middle
+            if high_owner is not None:
+                candidates.append(high_owner)
+                owner, peak = best_at(budget)
     if memory_cap is None or peak <= memory_cap:
         return FitResult(owner=owner, makespan=_max_load(world, owner, problem.costs), peak_memory=peak)
 
@@ -454,6 +546,13 @@ class MemoryCapUnreachable(Exception):
         super().__init__(f"busiest-rank memory {peak_memory:g} over the cap")
         self.owner = owner
         self.peak_memory = peak_memory
+
+
+def _polished(problem: Problem, owner: list[int]) -> list[int]:
+    """``owner`` after the cost portfolio's local search: a pouring's busiest rank, lowered where a move or swap can."""
+    assignment = _assignment(problem, owner)
+    LocalSearch(problem, assignment, budget=_search_budget(problem)).run()
+    return assignment.owner
 
 
 def _rocks_alone(problem: Problem, rocks: list[int], *, lead: int = 0, trail: int = 0) -> list[int]:

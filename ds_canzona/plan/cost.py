@@ -10,11 +10,19 @@ A cost model is a small object with a ``name`` and one method, ``cost(spec) -> f
   Matrix products run at the device's matmul rate; elementwise passes (AdamW, momentum, the
   update) run at its memory bandwidth, so they cost ``machine_balance`` FLOPs per byte moved:
 
-      cost = matmul FLOPs + max(elementwise FLOPs, machine_balance · elementwise bytes)
+      cost = max(matmul FLOPs + max(elementwise FLOPs, machine_balance · elementwise bytes),
+                 machine_balance · launch_bytes · kernel launches)
 
   FLOPs alone price an AdamW element at 15 operations against thousands for a Muon element, and
   a big embedding under AdamW then looks free; measured on one CPU thread, AdamW on a
   37984 x 1024 embedding takes 3.3x as long as Muon on a 1024 x 1024 matrix (docs/PLANNER.md).
+  The second term is a floor per item: a step launches a fixed number of kernels whatever the
+  tensor's size (AdamW 10, Muon about 70 per matrix), each taking a launch latency, so a rank
+  that owns thousands of norms is not free. ``launch_bytes`` is that latency in the model's unit:
+  the elementwise bytes the device moves in the time of one launch (launch seconds x elementwise
+  bytes/s), so that ``machine_balance · launch_bytes`` is one launch in matmul FLOPs. It is a
+  floor, not a sum: on a GPU the host queues the next kernel while the device runs this one, so
+  a step takes about the longer of its work and its launches.
 
 The FLOP counts are exact for the algorithms as written in each docstring; what they do not model
 is kernel efficiency (a small matrix runs further from peak than a big one), which matters little
@@ -38,7 +46,9 @@ from .specs import ParamSpec, PlanError
 
 __all__ = [
     "ADAMW_FLOPS_PER_ELEMENT",
+    "ADAMW_LAUNCHES",
     "COST_MODELS",
+    "DEFAULT_LAUNCH_BYTES",
     "DEFAULT_MACHINE_BALANCE",
     "CostModel",
     "FlopsCost",
@@ -47,11 +57,14 @@ __all__ = [
     "StepWork",
     "adamw_flops",
     "cost_model",
+    "default_launch_bytes",
     "default_machine_balance",
     "muon_flops",
     "newton_schulz_flops",
+    "newton_schulz_launches",
     "optimizer_work",
     "shampoo_flops",
+    "step_launches",
     "soap_flops",
 ]
 
@@ -86,6 +99,34 @@ STATE_ELEMENT_BYTES = 4
 # rate derated to what Newton-Schulz-sized products reach; not measured here. Calibrate on the
 # real device and set canzona.machine_balance where it matters.
 DEFAULT_MACHINE_BALANCE = {"cpu": 30.0, "cuda": 150.0}
+
+# Kernel launches of one step, as the rules in ds_canzona.optim run them on their torch path (the
+# CPU, and wherever the Triton kernels are off): every dispatched op that writes a tensor of one
+# or more dims; views and the 0-dim step counter do not count (tests/test_plan_cost.py counts them
+# from the rules). Weight decay is counted on (one launch). AdamW: lerp of m, g², lerp of v, two
+# bias corrections, sqrt, + eps, divide, decay, update.
+ADAMW_LAUNCHES = 10
+# Muon per tensor: momentum lerp, Nesterov lerp, decay, update; per matrix: the Frobenius norm, its
+# scale, + eps, the divide; one more to make a tall matrix's transpose contiguous, and for a stack
+# of matrices one output allocation per tensor and one copy per matrix. Newton-Schulz: see
+# newton_schulz_launches.
+_MUON_TENSOR_LAUNCHES = 4
+_MUON_MATRIX_LAUNCHES = 4
+# Shampoo per step: AdamW's grafting direction and its norm (10), per block a×b the two statistics,
+# the two preconditioner products and the rescale (17), and the inverse roots' refresh (18 per block
+# every precondition_frequency steps). SOAP: Adam in the rotated basis and the update (9), per rotated
+# side its statistic and the three rotations (7), and the eigenbasis refresh (10 per rotated side
+# every precondition_frequency steps).
+_SHAMPOO_LAUNCHES, _SHAMPOO_BLOCK_LAUNCHES, _SHAMPOO_REFRESH_LAUNCHES = 10, 17, 18
+_SOAP_LAUNCHES, _SOAP_SIDE_LAUNCHES, _SOAP_REFRESH_LAUNCHES = 9, 7, 10
+
+# One kernel launch in elementwise bytes (launch seconds x elementwise bytes/s), per device kind.
+# cpu: measured on the shared development machine (`python -m ds_canzona.bench calibrate`, one
+# thread, load average 5-10: a tiny in-place add took 4.7-9.3 us at 1.7-3.0 GB/s of AdamW traffic,
+# 0.8e4-2.1e4 bytes over six runs; both rates slow down together under load). cuda: not measured
+# here; about 5 us of host time per eager PyTorch op at about 3 TB/s of HBM bandwidth (H100/H200
+# datasheets: 3.35-4.8 TB/s). Calibrate on the real device where it matters.
+DEFAULT_LAUNCH_BYTES = {"cpu": 1.5e4, "cuda": 1.5e7}
 
 # Symmetric eigendecomposition with eigenvectors (tridiagonalisation plus implicit QR), about
 # 9·k^3 flops (Golub & Van Loan, Matrix Computations, Table 8.3.1 gives ~9n^3 for Q and Lambda).
@@ -153,6 +194,57 @@ def newton_schulz_flops(rows: int, cols: int, *, steps: int = 5, method: str = "
     return float(flops)
 
 
+def newton_schulz_launches(rows: int, cols: int, *, steps: int = 5, method: str = "gram") -> int:
+    """Kernel launches of ``steps`` Newton-Schulz iterations on a ``rows x cols`` matrix (torch path).
+
+    ``standard``: per step A = XXᵀ, AA, bA, cA², their sum, BX, aX and the sum: 8.
+    ``gram`` (restart at step 2, as :func:`newton_schulz_flops`): R = XXᵀ (4: the product and its
+    mirrored triangles); per step Z = bR + cR² (4) and Q (3: aI + Z after a (re)start, else
+    aQ + ZQ), then R's update aR + ZR and a(·) + Z(·) (6) except on the last step and just before
+    the restart; the restart's QX and XXᵀ (5); the final QX (1). A square matrix runs ``standard``.
+    """
+    if method not in ("gram", "standard"):
+        raise PlanError(f"Invalid ns_method={method!r}: must be 'gram' or 'standard'.")
+    if method == "standard" or rows == cols:
+        return 8 * steps
+    restart_at = 2
+    launches = 4 + 1
+    for step in range(steps):
+        if step == restart_at:
+            launches += 5
+        launches += 7
+        if step < steps - 1 and step + 1 != restart_at:
+            launches += 6
+    return launches
+
+
+def step_launches(spec: ParamSpec, optimizer: str = "muon", **options: Any) -> float:
+    """Kernel launches of one step on ``spec``: ``optimizer`` for a matrix, AdamW otherwise.
+
+    Shampoo's and SOAP's refreshes are amortised over ``precondition_frequency``; a TP shard
+    carries 1/tp_size of its matrix's launches, as of its work. The counts are in the constants
+    above; every launch costs the same, ``launch_bytes``, in :meth:`StepWork.roofline`.
+    """
+    if not spec.matrix:
+        return float(ADAMW_LAUNCHES)
+    merged = {**_OPTIMIZER_DEFAULTS[optimizer], **options}
+    count, rows, cols = _matrix_stack(spec.matrix_stack)
+    if optimizer == "muon":
+        per_matrix = _MUON_MATRIX_LAUNCHES + (rows > cols) + newton_schulz_launches(
+            rows, cols, steps=merged["ns_steps"], method=merged["ns_method"])
+        launches = _MUON_TENSOR_LAUNCHES + count * per_matrix + (1 + count if count > 1 else 0)
+    elif optimizer == "shampoo":
+        blocks = sum(a_count for _, a_count in _blocks(rows, merged["max_preconditioner_dim"])) * sum(
+            b_count for _, b_count in _blocks(cols, merged["max_preconditioner_dim"]))
+        launches = _SHAMPOO_LAUNCHES + count * blocks * (
+            _SHAMPOO_BLOCK_LAUNCHES + _SHAMPOO_REFRESH_LAUNCHES / merged["precondition_frequency"])
+    else:
+        sides = (rows <= merged["max_preconditioner_dim"]) + (cols <= merged["max_preconditioner_dim"])
+        launches = _SOAP_LAUNCHES + count * sides * (
+            _SOAP_SIDE_LAUNCHES + _SOAP_REFRESH_LAUNCHES / merged["precondition_frequency"])
+    return launches / spec.tp_size
+
+
 def muon_flops(shape: tuple[int, ...], *, ns_steps: int = 5, ns_method: str = "gram") -> float:
     """One Muon step on a matrix: Newton-Schulz plus 12 elementwise flops per element.
 
@@ -211,19 +303,24 @@ class StepWork:
     """Elementwise arithmetic (moments, normalisation, the update)."""
     elementwise_accesses: float
     """Elements read or written by the elementwise passes: memory-bound."""
+    launches: float = 0.0
+    """Kernel launches (:func:`step_launches`): each takes a latency, however small the tensor."""
 
     @property
     def flops(self) -> float:
         return self.matmul_flops + self.elementwise_flops
 
-    def roofline(self, machine_balance: float, element_bytes: int = STATE_ELEMENT_BYTES) -> float:
-        """FLOPs at the matmul rate that this step takes: elementwise passes charged for their bytes."""
+    def roofline(self, machine_balance: float, element_bytes: int = STATE_ELEMENT_BYTES,
+                 launch_bytes: float = 0.0) -> float:
+        """FLOPs at the matmul rate that this step takes: elementwise passes charged for their bytes,
+        and never less than its launches, each worth ``launch_bytes`` of elementwise traffic."""
         memory = machine_balance * element_bytes * self.elementwise_accesses
-        return self.matmul_flops + max(self.elementwise_flops, memory)
+        work = self.matmul_flops + max(self.elementwise_flops, memory)
+        return max(work, machine_balance * launch_bytes * self.launches)
 
 
 def _adamw_work(numel: int) -> StepWork:
-    return StepWork(0.0, adamw_flops(numel), float(ADAMW_ACCESSES_PER_ELEMENT * numel))
+    return StepWork(0.0, adamw_flops(numel), float(ADAMW_ACCESSES_PER_ELEMENT * numel), float(ADAMW_LAUNCHES))
 
 
 def _muon_work(shape: tuple[int, ...], *, ns_steps: int = 5, ns_method: str = "gram") -> StepWork:
@@ -275,7 +372,7 @@ def optimizer_work(spec: ParamSpec, optimizer: str = "muon", **options: Any) -> 
         return _adamw_work(spec.numel)
     work = _OPTIMIZER_WORK[optimizer](spec.matrix_stack, **options)
     return StepWork(work.matmul_flops / spec.tp_size, work.elementwise_flops / spec.tp_size,
-                    work.elementwise_accesses / spec.tp_size)
+                    work.elementwise_accesses / spec.tp_size, step_launches(spec, optimizer, **options))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -343,6 +440,7 @@ class RooflineCost(FlopsCost):
     """One step's time in matmul FLOPs: elementwise passes charged ``machine_balance`` FLOPs per byte."""
 
     machine_balance: float = DEFAULT_MACHINE_BALANCE["cuda"]
+    launch_bytes: float = DEFAULT_LAUNCH_BYTES["cuda"]
     name: ClassVar[str] = "roofline"
 
     def __post_init__(self) -> None:
@@ -351,15 +449,24 @@ class RooflineCost(FlopsCost):
                 or not math.isfinite(self.machine_balance) or self.machine_balance <= 0:
             raise PlanError(f"Invalid machine_balance={self.machine_balance!r}: must be a finite number > 0 "
                             "(matmul FLOP/s over elementwise bytes/s).")
+        if isinstance(self.launch_bytes, bool) or not isinstance(self.launch_bytes, (int, float)) \
+                or not math.isfinite(self.launch_bytes) or self.launch_bytes < 0:
+            raise PlanError(f"Invalid launch_bytes={self.launch_bytes!r}: must be a finite number >= 0 "
+                            "(one kernel launch in elementwise bytes: launch seconds x elementwise bytes/s; "
+                            "0 turns the launch floor off).")
         object.__setattr__(self, "machine_balance", float(self.machine_balance))
+        object.__setattr__(self, "launch_bytes", float(self.launch_bytes))
 
     @property
     def label(self) -> str:
+        # machine_balance stays last: tools read the label's end for it.
         settings = ",".join(f"{key}={value}" for key, value in self.options)
-        return f"roofline:{self.optimizer}({settings},machine_balance={self.machine_balance:g})"
+        return (f"roofline:{self.optimizer}({settings},launch_bytes={self.launch_bytes:g},"
+                f"machine_balance={self.machine_balance:g})")
 
     def cost(self, spec: ParamSpec) -> float:
-        return optimizer_work(spec, self.optimizer, **dict(self.options)).roofline(self.machine_balance)
+        return optimizer_work(spec, self.optimizer, **dict(self.options)).roofline(
+            self.machine_balance, launch_bytes=self.launch_bytes)
 
 
 COST_MODELS = ("roofline", "flops", "numel")
@@ -370,17 +477,24 @@ def default_machine_balance(device: str) -> float:
     return DEFAULT_MACHINE_BALANCE.get(device, DEFAULT_MACHINE_BALANCE["cuda"])
 
 
+def default_launch_bytes(device: str) -> float:
+    """The roofline model's default launch floor for a device kind: one launch in elementwise bytes."""
+    return DEFAULT_LAUNCH_BYTES.get(device, DEFAULT_LAUNCH_BYTES["cuda"])
+
+
 def cost_model(name: str = "flops", optimizer: str = "muon", *, machine_balance: float | None = None,
-               **options: Any) -> CostModel:
+               launch_bytes: float | None = None, **options: Any) -> CostModel:
     """Build a cost model: ``numel``, ``flops`` or ``roofline`` of ``optimizer`` with its options.
 
     Options: Muon ``ns_steps`` (5), ``ns_method`` ("gram" or "standard"); Shampoo and SOAP
     ``precondition_frequency`` (100 / 10) and ``max_preconditioner_dim`` (1024 / 10000).
-    ``machine_balance`` (roofline only): matmul FLOP/s over elementwise bytes/s of the device
-    (default: ``DEFAULT_MACHINE_BALANCE["cuda"]``).
+    Roofline only: ``machine_balance``, matmul FLOP/s over elementwise bytes/s of the device
+    (default: ``DEFAULT_MACHINE_BALANCE["cuda"]``), and ``launch_bytes``, one kernel launch in
+    elementwise bytes (default: ``DEFAULT_LAUNCH_BYTES["cuda"]``; 0: no launch floor).
     """
-    if name != "roofline" and machine_balance is not None:
-        raise PlanError(f"machine_balance applies to the roofline cost model only, not {name!r}.")
+    for key, value in (("machine_balance", machine_balance), ("launch_bytes", launch_bytes)):
+        if name != "roofline" and value is not None:
+            raise PlanError(f"{key} applies to the roofline cost model only, not {name!r}.")
     if name == "numel":
         if options:
             raise PlanError(f"The numel cost model takes no options, got {sorted(options)}.")
@@ -389,7 +503,9 @@ def cost_model(name: str = "flops", optimizer: str = "muon", *, machine_balance:
         return FlopsCost(optimizer=optimizer, options=tuple(sorted(options.items())))
     if name == "roofline":
         balance = DEFAULT_MACHINE_BALANCE["cuda"] if machine_balance is None else machine_balance
-        return RooflineCost(optimizer=optimizer, options=tuple(sorted(options.items())), machine_balance=balance)
+        launch = DEFAULT_LAUNCH_BYTES["cuda"] if launch_bytes is None else launch_bytes
+        return RooflineCost(optimizer=optimizer, options=tuple(sorted(options.items())), machine_balance=balance,
+                            launch_bytes=launch)
     raise PlanError(f"Invalid cost model name={name!r}: must be one of {', '.join(map(repr, COST_MODELS))}.")
 
 

@@ -446,10 +446,13 @@ def plan_dp_partitions(
         owner, cuts = start_index(numels, ranges, world_size)
     else:
         try:
+            # Buckets holding one tensor's pieces alone: the memory search re-partitions them by counts.
+            in_pieces = [(first, stop) for first, stop in ranges
+                         if stop - first > 1 and pieces[first][0] == pieces[stop - 1][0]]
             owner, cuts = alpha_balanced(numels, list(costs), ranges, world_size, alpha=float(alpha),
                                          memory=item_bytes, sand=[not spec.matrix for spec in specs],
                                          memory_cap=max_state_bytes_per_rank,
-                                         joint_buckets=joint)
+                                         joint_buckets=joint, piece_buckets=in_pieces)
         except MemoryCapUnreachable as unreachable:
             assert max_state_bytes_per_rank is not None
             raise _cap_error(specs, item_bytes, world_size, max_state_bytes_per_rank,
@@ -535,6 +538,7 @@ def alpha_balanced(
     sand: Sequence[bool] | None = None,
     memory_cap: float | None = None,
     joint_buckets: Sequence[tuple[int, int]] | None = None,
+    piece_buckets: Sequence[tuple[int, int]] = (),
 ) -> tuple[list[int], list[list[int]]]:
     """Balance the cost over ranks, then the memory; ``alpha`` trades element evenness for compute balance.
 
@@ -568,6 +572,9 @@ def alpha_balanced(
     them), the layout before tensors in pieces got buckets of their own. Its cost-only plan is
     also a plan here; with memory it is the makespan the result never exceeds (the planner's step
     time before either change), and a candidate.
+
+    ``piece_buckets``: the buckets that hold one tensor's pieces alone; the memory search moves
+    their pieces by counts (``ds_canzona.plan._free_chains``).
     """
     owner = balance(numels, costs, buckets, world_size, alpha)
     if memory is not None:
@@ -576,7 +583,7 @@ def alpha_balanced(
         if joint_buckets is not None and not problem.capped:
             reference = balance(numels, costs, joint_buckets, world_size, alpha)
         owner = fit(problem, memory, sand if sand is not None else [False] * len(numels), owner,
-                    memory_cap=memory_cap, reference_owner=reference).owner
+                    memory_cap=memory_cap, reference_owner=reference, chains=piece_buckets).owner
     return owner, [_cuts_from_owners(numels, owner, first, stop, world_size) for first, stop in buckets]
 
 
