@@ -55,6 +55,11 @@ class CanzonaConfig(DeepSpeedConfigModel):
     """roofline only: the device's matmul FLOP/s over its elementwise bytes/s. Default: 30 on the CPU, 150 on GPUs;
     `python -m ds_canzona.bench calibrate` measures it."""
 
+    launch_bytes: float | None = Field(None, ge=0.0, allow_inf_nan=False)
+    """roofline only: the per-item launch floor, one kernel launch in elementwise bytes (launch seconds x
+    elementwise bytes/s). Default: 1.5e4 on the CPU (measured), 1.5e7 on GPUs (estimated);
+    `python -m ds_canzona.bench calibrate` measures it. 0: no floor."""
+
     split_numel: int | None = Field(DEFAULT_SPLIT_NUMEL, ge=0)
     """Plan non-matrix tensors above this many elements as pieces of this size, each owned by one rank (AdamW is
     elementwise), so a huge embedding does not bound the busiest rank. 0 or null: every tensor whole (0 is what
@@ -96,8 +101,9 @@ class CanzonaConfig(DeepSpeedConfigModel):
 
     @model_validator(mode="after")
     def _balance_needs_roofline(self) -> "CanzonaConfig":
-        if self.machine_balance is not None and self.cost_model != "roofline":
-            raise ValueError(f"machine_balance applies to cost_model 'roofline' only, not {self.cost_model!r}")
+        for key in ("machine_balance", "launch_bytes"):
+            if getattr(self, key) is not None and self.cost_model != "roofline":
+                raise ValueError(f"{key} applies to cost_model 'roofline' only, not {self.cost_model!r}")
         return self
 
 

@@ -25,6 +25,10 @@ BAD_SECTIONS = [
     ({"machine_balance": -30.0}, "canzona.machine_balance"),
     ({"machine_balance": "fast"}, "canzona.machine_balance"),
     ({"cost_model": "flops", "machine_balance": 30.0}, "machine_balance applies to cost_model 'roofline' only"),
+    ({"launch_bytes": -1.0}, "canzona.launch_bytes"),
+    ({"launch_bytes": "fast"}, "canzona.launch_bytes"),
+    ({"launch_bytes": float("inf")}, "canzona.launch_bytes"),
+    ({"cost_model": "numel", "launch_bytes": 1e4}, "launch_bytes applies to cost_model 'roofline' only"),
     ({"split_numel": -1}, "canzona.split_numel"),
     ({"split_numel": 2.5}, "canzona.split_numel"),
     ({"split_numel": True}, "canzona.split_numel"),
@@ -134,9 +138,11 @@ def _plan_cost_labels(rank, world_size, sections):
 
 
 def test_cost_model_and_machine_balance_reach_the_plan():
-    sections = [{}, {"machine_balance": 7.5}, {"cost_model": "flops"}, {"cost_model": "numel"}]
-    default, configured, flops, numel = run_ranks(_plan_cost_labels, 1, sections, timeout=240)[0]
-    # Default: roofline priced with the matrix group's own Newton-Schulz settings and the CPU's balance.
-    assert default.startswith("roofline:muon(") and default.endswith("machine_balance=30)"), default
+    sections = [{}, {"machine_balance": 7.5}, {"cost_model": "flops"}, {"cost_model": "numel"}, {"launch_bytes": 0}]
+    default, configured, flops, numel, no_floor = run_ranks(_plan_cost_labels, 1, sections, timeout=240)[0]
+    # Default: roofline priced with the matrix group's own Newton-Schulz settings and the CPU's balance
+    # and launch floor (ds_canzona.plan.cost.DEFAULT_LAUNCH_BYTES).
+    assert default.startswith("roofline:muon(") and default.endswith("launch_bytes=15000,machine_balance=30)"), default
     assert configured.endswith("machine_balance=7.5)"), configured
+    assert no_floor.endswith("launch_bytes=0,machine_balance=30)"), no_floor
     assert flops.startswith("flops:muon(") and numel == "numel"

@@ -162,13 +162,14 @@ class MakespanRow:
 def makespan_study(models: Sequence[str], *, scale: int, dps: Sequence[int], bucket_numel: int | None,
                    machine_balance: float, split_numel: int | None = None, ns_method: str = "gram", repeats: int = 5,
                    stored: dict[str, Any] | None = None, log=None) -> tuple[list[MakespanRow], dict[str, Any]]:
-    from ..plan import DEFAULT_SPLIT_NUMEL, cost_model, plan_dp_partitions, qwen3_specs
+    from ..plan import DEFAULT_SPLIT_NUMEL, cost_model, default_launch_bytes, plan_dp_partitions, qwen3_specs
     from ..plan.memory import memory_model
     from .baselines import deepspeed_muon_loads, layerwise_loads, lpt_owners, plan_loads, synchronous_loads
 
     memory = memory_model("muon", param_bytes=4)  # the shapes are timed in fp32
 
-    cost = cost_model("roofline", "muon", machine_balance=machine_balance, ns_method=ns_method)
+    cost = cost_model("roofline", "muon", machine_balance=machine_balance, ns_method=ns_method,
+                      launch_bytes=default_launch_bytes("cpu"))  # the timings it scores are the CPU's
     flops = cost_model("flops", "muon", ns_method=ns_method)
     rows: list[MakespanRow] = []
     timings: dict[str, Any] = {}

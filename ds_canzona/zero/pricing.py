@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ds_canzona.optim import rule_for_group
-from ds_canzona.plan import CostModel, ParamSpec, cost_model, default_machine_balance
+from ds_canzona.plan import CostModel, ParamSpec, cost_model, default_launch_bytes, default_machine_balance
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,8 @@ def plan_cost_model(config, names: list[str], groups: list[dict], device_name: s
     options = {}
     if kind == "roofline":
         options["machine_balance"] = config.machine_balance or default_machine_balance(device_name)
+        launch = config.launch_bytes
+        options["launch_bytes"] = default_launch_bytes(device_name) if launch is None else launch
     models: dict[tuple, CostModel] = {}
     by_name: dict[str, CostModel] = {}
     for name, group in zip(names, groups):
