@@ -119,6 +119,9 @@ _MUON_MATRIX_LAUNCHES = 4
 # every precondition_frequency steps).
 _SHAMPOO_LAUNCHES, _SHAMPOO_BLOCK_LAUNCHES, _SHAMPOO_REFRESH_LAUNCHES = 10, 17, 18
 _SOAP_LAUNCHES, _SOAP_SIDE_LAUNCHES, _SOAP_REFRESH_LAUNCHES = 9, 7, 10
+# Both, on each refresh: the statistics guard (optim/shampoo.py statistic_health) looks at every
+# statistic of the tensor (one launch each) and reads them as one stacked vector (one launch).
+_GUARD_TENSOR_LAUNCHES, _GUARD_STAT_LAUNCHES = 1, 1
 
 # One kernel launch in elementwise bytes (launch seconds x elementwise bytes/s), per device kind.
 # cpu: measured on the shared development machine (`python -m ds_canzona.bench calibrate`, one
@@ -236,12 +239,16 @@ def step_launches(spec: ParamSpec, optimizer: str = "muon", **options: Any) -> f
     elif optimizer == "shampoo":
         blocks = sum(a_count for _, a_count in _blocks(rows, merged["max_preconditioner_dim"])) * sum(
             b_count for _, b_count in _blocks(cols, merged["max_preconditioner_dim"]))
-        launches = _SHAMPOO_LAUNCHES + count * blocks * (
+        guard = _GUARD_TENSOR_LAUNCHES + 2 * blocks * _GUARD_STAT_LAUNCHES  # a left and a right statistic per block
+        launches = _SHAMPOO_LAUNCHES + count * (blocks * (
             _SHAMPOO_BLOCK_LAUNCHES + _SHAMPOO_REFRESH_LAUNCHES / merged["precondition_frequency"])
+            + guard / merged["precondition_frequency"])
     else:
         sides = (rows <= merged["max_preconditioner_dim"]) + (cols <= merged["max_preconditioner_dim"])
-        launches = _SOAP_LAUNCHES + count * sides * (
+        guard = _GUARD_TENSOR_LAUNCHES + sides * _GUARD_STAT_LAUNCHES if sides else 0  # no statistic, no guard
+        launches = _SOAP_LAUNCHES + count * (sides * (
             _SOAP_SIDE_LAUNCHES + _SOAP_REFRESH_LAUNCHES / merged["precondition_frequency"])
+            + guard / merged["precondition_frequency"])
     return launches / spec.tp_size
 
 
