@@ -55,6 +55,9 @@ def test_consolidated_export_loads_with_from_pretrained(tmp_path, capsys):
     expected = 0o666 & ~UMASK
     written = {**modes(save_dir), **modes(os.path.join(save_dir, "hf")), **modes(out)}
     written.pop("hf")  # the tag directory
+    # The recovery scripts with DeepSpeed's command line are executable, as a new executable would be.
+    scripts = {name: written.pop(name) for name in ("zero_to_fp32.py", "zero_to_torch.py")}
+    assert scripts == dict.fromkeys(scripts, 0o777 & ~UMASK), {k: oct(v) for k, v in scripts.items()}
     assert written and all(mode == expected for mode in written.values()), {k: oct(v) for k, v in written.items()}
 
     threads = torch.get_num_threads()

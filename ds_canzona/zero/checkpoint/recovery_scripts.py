@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from ds_canzona.zero.checkpoint.files import atomic_write
+from ds_canzona.zero.checkpoint.files import _umask, atomic_write
 
 SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
@@ -48,7 +48,7 @@ def write_recovery_scripts(save_dir: str) -> None:
         path = os.path.join(save_dir, name)
         atomic_write(path, write)
         try:
-            os.chmod(path, os.stat(path).st_mode | 0o111)
+            os.chmod(path, 0o777 & ~_umask())  # what a new executable gets under the umask
         except OSError:  # a file share may refuse it; `python zero_to_fp32.py` still works
             pass
 
