@@ -16,6 +16,7 @@ from pydantic import ConfigDict, Field, StrictBool, ValidationError, field_valid
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
 from ds_canzona.plan import DEFAULT_SPLIT_NUMEL
+from ds_canzona.plan.collectives import DEFAULT_COLLECTIVE_BYTES_PER_S, DEFAULT_COLLECTIVE_LAUNCH_S, CollectiveCosts
 
 CANZONA_SECTION = "canzona"
 
@@ -86,6 +87,25 @@ class CanzonaConfig(DeepSpeedConfigModel):
     """Timeout (s) of the default and data-parallel process groups once the optimizer is built: a dead or
     hung peer makes every collective (steps, checkpoint saves and loads) raise within this bound."""
 
+    collectives: Literal["default", "grouped", "padded"] = "default"
+    """Form of each bucket's reduce-scatter and all-gather (stages 1/2): the uneven lists (grouped; on NCCL one
+    rank-rooted operation per rank), one equal-size collective over segments padded to the bucket's largest (padded),
+    or per bucket whichever the cost model prices lower (default; grouped on gloo). ds_canzona.plan.collectives."""
+
+    collective_launch_s: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    """collectives "default" only: one collective operation's latency per hop (s); an operation over P ranks costs
+    this times max(1, log2 P). Default: 5e-6 (NCCL-like)."""
+
+    collective_bytes_per_s: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    """collectives "default" only: the wire bandwidth (bytes/s) that prices the padding. Default: 5e10 (400 Gb/s)."""
+
+    @property
+    def collective_costs(self) -> CollectiveCosts:
+        """The cost model's constants: the configured values, or the documented defaults."""
+        launch = DEFAULT_COLLECTIVE_LAUNCH_S if self.collective_launch_s is None else self.collective_launch_s
+        rate = DEFAULT_COLLECTIVE_BYTES_PER_S if self.collective_bytes_per_s is None else self.collective_bytes_per_s
+        return CollectiveCosts(launch_s=float(launch), bytes_per_s=float(rate))
+
     @field_validator("strategy")
     @classmethod
     def _runtime_strategy(cls, value: str) -> str:
@@ -104,6 +124,9 @@ class CanzonaConfig(DeepSpeedConfigModel):
         for key in ("machine_balance", "launch_bytes"):
             if getattr(self, key) is not None and self.cost_model != "roofline":
                 raise ValueError(f"{key} applies to cost_model 'roofline' only, not {self.cost_model!r}")
+        for key in ("collective_launch_s", "collective_bytes_per_s"):
+            if getattr(self, key) is not None and self.collectives != "default":
+                raise ValueError(f"{key} prices the choice of collectives 'default' only, not {self.collectives!r}")
         return self
 
 

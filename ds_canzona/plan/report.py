@@ -9,18 +9,28 @@ from __future__ import annotations
 
 from typing import Any
 
+from .collectives import BucketForms
 from .dp import DPPlan, lpt_loads
 from .owners import Zero3Plan
 from .specs import PlanError
 from .tp import TPPlan
 
-__all__ = ["COMMUNICATION_LEGEND", "format_dp_table", "format_tp_groups", "format_zero3_table", "plot_dp"]
+__all__ = ["COMMUNICATION_LEGEND", "format_collective_forms", "format_dp_table", "format_tp_groups", "format_zero3_table", "plot_dp"]
 
 # What the table's "communication" number is, and what alpha trades (docs/PLANNER.md, "Reading the table").
 COMMUNICATION_LEGEND = (
     "communication: how long the uneven reduce-scatters and all-gathers take against DeepSpeed's equal cuts\n"
     "(each bucket's largest segment, summed, over the even segments); alpha 0 keeps it lowest, alpha 1 evens the cost."
 )
+
+
+def format_collective_forms(forms: BucketForms) -> str:
+    """One line: how many buckets take each form, per collective, and the padding bytes per step that costs."""
+    parts = []
+    for name, summary in (("reduce-scatter", forms.reduce_scatter_summary), ("all-gather", forms.all_gather_summary)):
+        parts.append(f"{name} {summary.padded} padded / {summary.grouped} grouped, padding "
+                     f"{summary.padding_bytes:,} bytes per step ({summary.padding_fraction:.2%} of its bucket bytes)")
+    return f"collectives ({forms.setting}, backend {forms.backend}): " + "; ".join(parts)
 
 
 def format_zero3_table(plan: Zero3Plan, *, title: str = "") -> str:

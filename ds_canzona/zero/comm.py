@@ -1,15 +1,30 @@
-"""Uneven bucket collectives over deepspeed.comm, with the bytes they move counted.
+"""Bucket collectives over deepspeed.comm, in the form chosen per bucket, with what they move counted.
 
 A bucket is cut into one contiguous segment per rank (``cuts``); segments may differ in size
-and may be empty. reduce-scatter with uneven input lists works on every backend we use (gloo,
-NCCL). gloo rejects all-gather of uneven sizes; there each non-empty segment is broadcast from
-its owner straight into place. That moves exactly the bucket (no padding, no staging copies),
-and gloo's broadcast measured 3-5x faster than its all-gather of the same bytes here
-(docs/BENCHMARKS.md). Backends that take uneven lists (NCCL) get one uneven all_gather.
+and may be empty. Each bucket's reduce-scatter and all-gather take one of two forms, chosen once
+at init by ``ds_canzona.plan.collectives`` (the same on every rank):
+
+- grouped: the uneven lists. reduce-scatter with uneven input lists works on every backend we
+  use (gloo, NCCL; NCCL runs it as one ncclReduce per rank). gloo rejects all-gather of uneven
+  sizes; there each non-empty segment is broadcast from its owner straight into place, which
+  moves exactly the bucket (no padding, no staging copies) and measured 3-5x faster than gloo's
+  all-gather of the same bytes (docs/BENCHMARKS.md). Other backends get one uneven all_gather
+  (NCCL: one ncclBroadcast per rank).
+- padded: every segment padded to the bucket's largest (m elements), one equal-size
+  ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` on any backend. Where the segments
+  differ the bucket is staged through a buffer of P x m (a fill and one multi-tensor copy); where
+  they are all equal the bucket itself is the buffer. The reduce-scatter writes m elements, so
+  its output holds at least m (the runtime allocates its segment buffers that long); the
+  elements past this rank's own segment are padding and never read.
+
+``CommCounter`` counts, per kind of call, the bytes handed to it (padding included), the calls
+launched, the operations inside them (what NCCL runs: P for a grouped call) and the padding bytes.
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -17,24 +32,35 @@ import torch
 
 import deepspeed.comm as dist
 
+from ds_canzona.plan.collectives import PADDED
+
+__all__ = ["CommCounter", "PlanMismatchError", "all_gather_bucket", "all_reduce_sum", "backend_name",
+           "check_digest_agreement", "reduce_scatter_bucket", "segment_views"]
+
 
 @dataclass
 class CommCounter:
-    """Bytes this rank sends into each kind of collective, and how many were launched."""
+    """Per kind of call: bytes this rank hands in, calls launched, operations inside them, padding bytes."""
 
     bytes: Counter = field(default_factory=Counter)
     calls: Counter = field(default_factory=Counter)
+    operations: Counter = field(default_factory=Counter)
+    padding: Counter = field(default_factory=Counter)
 
-    def add(self, kind: str, nbytes: int) -> None:
+    def add(self, kind: str, nbytes: int, *, operations: int = 1, padding_bytes: int = 0) -> None:
         self.bytes[kind] += int(nbytes)
         self.calls[kind] += 1
+        self.operations[kind] += int(operations)
+        if padding_bytes:
+            self.padding[kind] += int(padding_bytes)
 
     def reset(self) -> None:
-        self.bytes.clear()
-        self.calls.clear()
+        for counter in (self.bytes, self.calls, self.operations, self.padding):
+            counter.clear()
 
 
-def _backend_name(group) -> str:
+def backend_name(group) -> str:
+    """The process group's backend, lower case ("gloo", "nccl", ...)."""
     return str(torch.distributed.get_backend(group)).lower()
 
 
@@ -42,35 +68,93 @@ def segment_views(flat: torch.Tensor, cuts: tuple[int, ...]) -> list[torch.Tenso
     return [flat[cuts[r]:cuts[r + 1]] for r in range(len(cuts) - 1)]
 
 
-def reduce_scatter_uneven(out: torch.Tensor, flat: torch.Tensor, cuts: tuple[int, ...], *, group,
+def _largest_segment(cuts: tuple[int, ...]) -> int:
+    return max(cuts[r + 1] - cuts[r] for r in range(len(cuts) - 1))
+
+
+def _padded_slots(padded: torch.Tensor, cuts: tuple[int, ...], largest: int) -> list[torch.Tensor]:
+    """Each rank's segment's place in a padded buffer: the first (its size) elements of its slot."""
+    return [padded[r * largest:r * largest + cuts[r + 1] - cuts[r]] for r in range(len(cuts) - 1)]
+
+
+def _copy_nonempty(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """One multi-tensor copy (a few launches on CUDA, whatever P is) of the non-empty pairs."""
+    pairs = [(d, s) for d, s in zip(destinations, sources) if d.numel()]
+    if pairs:
+        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+
+
+@functools.cache  # one filter, installed on first use
+def _quiet_tensor_collectives() -> None:
+    # torch 2.13 deprecates the *_tensor names that deepspeed.comm calls (a FutureWarning per process);
+    # the message is about DeepSpeed's backend, not something a user of ds_canzona can change.
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)"
+                            r"` is deprecated", category=FutureWarning)
+
+
+def reduce_scatter_bucket(out: torch.Tensor, flat: torch.Tensor, cuts: tuple[int, ...], form: str, *, group,
                           counter: CommCounter, async_op: bool):
-    """Sum ``flat`` over ranks; rank r receives its segment [cuts[r], cuts[r+1]) into ``out``."""
-    counter.add("reduce_scatter", flat.numel() * flat.element_size())
-    return dist.reduce_scatter(out, segment_views(flat, cuts), group=group, async_op=async_op)
+    """Sum ``flat`` over ranks; this rank's segment [cuts[r], cuts[r+1]) of the sum lands at the start of ``out``.
+
+    Returns (work handle or None, the tensor the collective reads): keep that tensor alive until
+    the collective is done (it is ``flat`` itself unless the padded form staged a copy).
+    """
+    world = len(cuts) - 1
+    element = flat.element_size()
+    if form != PADDED:
+        counter.add("reduce_scatter", flat.numel() * element, operations=world)
+        return dist.reduce_scatter(out, segment_views(flat, cuts), group=group, async_op=async_op), flat
+    largest = _largest_segment(cuts)
+    if out.numel() < largest:
+        raise ValueError(f"the padded reduce-scatter writes {largest} elements; the output holds {out.numel()}")
+    send = flat
+    if world * largest != flat.numel():
+        send = torch.zeros(world * largest, dtype=flat.dtype, device=flat.device)
+        _copy_nonempty(_padded_slots(send, cuts, largest), segment_views(flat, cuts))
+    counter.add("reduce_scatter", send.numel() * element, padding_bytes=(send.numel() - flat.numel()) * element)
+    _quiet_tensor_collectives()
+    return dist.reduce_scatter_tensor(out[:largest], send, group=group, async_op=async_op), send
 
 
-def all_gather_uneven(flat: torch.Tensor, cuts: tuple[int, ...], rank: int, *, group,
+def all_gather_bucket(flat: torch.Tensor, cuts: tuple[int, ...], rank: int, form: str, *, group,
                       counter: CommCounter) -> None:
-    """Every rank's segment of ``flat`` is broadcast into the same place on all ranks, in place."""
-    sizes = [cuts[r + 1] - cuts[r] for r in range(len(cuts) - 1)]
-    world = len(sizes)
+    """Every rank's segment of ``flat`` is gathered into the same place on all ranks, in place."""
+    world = len(cuts) - 1
     if world == 1:
         return
-    if _backend_name(group) != "gloo":
-        counter.add("all_gather", flat.numel() * flat.element_size())
+    element = flat.element_size()
+    if form == PADDED:
+        _all_gather_padded(flat, cuts, rank, group=group, counter=counter)
+    elif backend_name(group) != "gloo":
+        counter.add("all_gather", flat.numel() * element, operations=world)
         dist.all_gather(segment_views(flat, cuts), flat[cuts[rank]:cuts[rank + 1]], group=group)
-        return
-    _broadcast_segments(flat, cuts, sizes, group=group, counter=counter)
+    else:
+        _broadcast_segments(flat, cuts, group=group, counter=counter)
 
 
-def _broadcast_segments(flat: torch.Tensor, cuts: tuple[int, ...], sizes: list[int], *, group,
-                        counter: CommCounter) -> None:
+def _all_gather_padded(flat: torch.Tensor, cuts: tuple[int, ...], rank: int, *, group, counter: CommCounter) -> None:
+    world, largest, element = len(cuts) - 1, _largest_segment(cuts), flat.element_size()
+    # In place: this rank's input is its own slot of the output (NCCL's in-place all-gather).
+    gathered = flat
+    if world * largest != flat.numel():
+        gathered = torch.empty(world * largest, dtype=flat.dtype, device=flat.device)
+        gathered[rank * largest:rank * largest + cuts[rank + 1] - cuts[rank]].copy_(flat[cuts[rank]:cuts[rank + 1]])
+    counter.add("all_gather", gathered.numel() * element, padding_bytes=(gathered.numel() - flat.numel()) * element)
+    _quiet_tensor_collectives()
+    dist.all_gather_into_tensor(gathered, gathered[rank * largest:(rank + 1) * largest], group=group)
+    if gathered is not flat:
+        others = [r for r in range(world) if r != rank]
+        slots, segments = _padded_slots(gathered, cuts, largest), segment_views(flat, cuts)
+        _copy_nonempty([segments[r] for r in others], [slots[r] for r in others])
+
+
+def _broadcast_segments(flat: torch.Tensor, cuts: tuple[int, ...], *, group, counter: CommCounter) -> None:
     handles = []
-    for r, size in enumerate(sizes):
-        if size:
-            counter.add("broadcast", size * flat.element_size())
+    for r, segment in enumerate(segment_views(flat, cuts)):
+        if segment.numel():
+            counter.add("broadcast", segment.numel() * flat.element_size())
             src = dist.get_global_rank(group, r) if group is not None else r
-            handles.append(dist.broadcast(flat[cuts[r]:cuts[r + 1]], src=src, group=group, async_op=True))
+            handles.append(dist.broadcast(segment, src=src, group=group, async_op=True))
     for handle in handles:
         handle.wait()
 

@@ -28,6 +28,10 @@ Data flow per optimizer step:
                updates the items it owns (whole matrices, non-matrix tensors or their pieces),
                then one all-gather per bucket
 
+Each bucket's reduce-scatter and all-gather is grouped (the uneven lists) or padded (one
+equal-size collective over segments padded to the largest), chosen at init per bucket by
+``ds_canzona.plan.collectives`` from ``canzona.collectives`` (``ds_canzona.zero.comm``).
+
 Where streams are real (CUDA) the reduce-scatters, with their conversion and pre-division, run on
 a reduction stream of this runtime that waits for every stream that wrote the bucket and for the
 collectives' ends itself; the compute stream waits for it once before the step
@@ -48,7 +52,9 @@ import torch
 from ds_canzona.config import CANZONA_SECTION, CanzonaConfig, CanzonaConfigError
 from ds_canzona.optim import rule_for_group
 from ds_canzona.plan import DPPlan, MemoryCapError, ParamSpec, StateMemory, memory_model, plan_dp_partitions
-from ds_canzona.zero.comm import all_gather_uneven, check_digest_agreement, reduce_scatter_uneven
+from ds_canzona.plan.collectives import PADDED, BucketForms, bucket_forms
+from ds_canzona.plan.report import format_collective_forms
+from ds_canzona.zero.comm import all_gather_bucket, backend_name, check_digest_agreement, reduce_scatter_bucket
 from ds_canzona.zero.compat import at_accumulation_boundary
 from ds_canzona.zero.layout import BufferLayout
 from ds_canzona.zero.owned import GradientAfterReductionError, OwnedTensor
@@ -92,6 +98,7 @@ class CanzonaZeroOptimizer(OwnerRuntime):
 
         self.plan = self._make_plan(bucket_numel)
         self.layout = self._buffer_layout()
+        self.collective_forms = self._choose_collective_forms()
         self._check_plan_agreement()
         self._print_plan_summary()
         self._create_loss_scaler(static_loss_scale=static_loss_scale, dynamic_loss_scale=dynamic_loss_scale,
@@ -142,6 +149,13 @@ class CanzonaZeroOptimizer(OwnerRuntime):
         return memory_model(matrix_groups[0]["kind"], param_bytes=param_bytes,
                             **rule_for_group(matrix_groups[0]).cost_options())
 
+    def _choose_collective_forms(self) -> BucketForms:
+        """Each bucket's collectives, grouped or padded: a function of the cuts and the config, so every rank agrees."""
+        return bucket_forms(self.layout.bucket_cuts, backend=backend_name(self.dp_process_group),
+                            reduce_scatter_bytes=self.reduction.communicate_dtype.itemsize,
+                            all_gather_bytes=self.dtype.itemsize, setting=self.config.collectives,
+                            costs=self.config.collective_costs)
+
     def _check_plan_agreement(self) -> None:
         """Compare the plan's digest across ranks before any other collective."""
         check_digest_agreement(self.plan.digest(), group=self.dp_process_group, device=self.device)
@@ -162,6 +176,7 @@ class CanzonaZeroOptimizer(OwnerRuntime):
         for r in ranks:
             lines.append(f"  rank {r}: cost {costs[r]:.3e}, {state[r]:.0f} state bytes, {numels[r]} elements, "
                          f"{len(plan.owned_params(r))} items")
+        lines.append("  " + format_collective_forms(self.collective_forms))
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ buffers and state
@@ -209,8 +224,11 @@ class CanzonaZeroOptimizer(OwnerRuntime):
             self.param_flat.append(flat)
             self.grad_flat.append(None)
             cuts = self.layout.bucket_cuts[bucket.index]
-            self.grad_segment.append(torch.empty(cuts[self.rank + 1] - cuts[self.rank],
-                                                 dtype=self.reduction.communicate_dtype, device=self.device))
+            # A padded reduce-scatter writes the bucket's largest segment; past this rank's own is padding.
+            padded = self.collective_forms.reduce_scatter[bucket.index] == PADDED
+            sizes = [cuts[r + 1] - cuts[r] for r in range(len(cuts) - 1)]
+            numel = max(sizes) if padded else sizes[self.rank]
+            self.grad_segment.append(torch.empty(numel, dtype=self.reduction.communicate_dtype, device=self.device))
             if not self.partition_gradients:
                 self._grad_bucket(bucket.index)
 
@@ -336,9 +354,10 @@ class CanzonaZeroOptimizer(OwnerRuntime):
             send = flat if flat.dtype == reduction.communicate_dtype else flat.to(reduction.communicate_dtype)
             if reduction.pre_divide != 1.0:
                 send.div_(reduction.pre_divide)
-            handle = reduce_scatter_uneven(self.grad_segment[b], send, self.layout.bucket_cuts[b],
-                                           group=self.dp_process_group, counter=self.comm,
-                                           async_op=self.partition_gradients)
+            # send becomes the padded copy where this bucket's form stages one.
+            handle, send = reduce_scatter_bucket(self.grad_segment[b], send, self.layout.bucket_cuts[b],
+                                                 self.collective_forms.reduce_scatter[b], group=self.dp_process_group,
+                                                 counter=self.comm, async_op=self.partition_gradients)
         if send is not flat and self.partition_gradients:
             # The copy in the communication dtype carries the gradients now; the reduction stream read the bucket.
             self.streams.keep_alive(flat)
@@ -422,5 +441,5 @@ class CanzonaZeroOptimizer(OwnerRuntime):
             if t.master is not view:
                 view.copy_(t.master)
         for b in range(len(self.plan.buckets)):
-            all_gather_uneven(self.param_flat[b], self.layout.bucket_cuts[b], self.rank, group=self.dp_process_group,
-                              counter=self.comm)
+            all_gather_bucket(self.param_flat[b], self.layout.bucket_cuts[b], self.rank,
+                              self.collective_forms.all_gather[b], group=self.dp_process_group, counter=self.comm)

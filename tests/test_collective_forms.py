@@ -1,0 +1,187 @@
+"""Grouped and padded bucket collectives: the choice, its config key, and both forms at work.
+
+- The choice (``ds_canzona.plan.collectives``) in one process: the cost model in both directions,
+  the override, the constants, invalid settings; the config key's errors.
+- Equal results, on 3 gloo ranks (one spawn): the tiny model's buckets at DP=3 have uneven
+  segments and empty ones. Stage 2 grouped and padded, and stage 1 padded, train 4 steps on
+  gradients rounded to multiples of 2**-20 (so the sum over ranks is exact in fp32 whatever
+  order a collective adds in: gloo's list reduce-scatter and its reduce_scatter_tensor add in
+  different orders at DP>=3, and so would NCCL's ncclReduce and ncclReduceScatter). The
+  parameters of all three are bitwise equal, and equal the single-process optimizer fed the
+  runtime's averaged gradients.
+- Launches at DP=64, in one process on torch's fake process group: the padded form issues one
+  reduce_scatter_tensor and one all_gather_into_tensor per bucket; the grouped form one uneven
+  list call per bucket with 64 segments (torch runs it as 64 rank-rooted NCCL operations); the
+  default picks padded for these small buckets.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from distributed import run_ranks
+
+STEPS = 4
+GRID = 2.0 ** -20
+
+
+# --------------------------------------------------------------------------- the choice, one process
+def test_cost_model_picks_padded_when_launches_outweigh_the_padding():
+    from ds_canzona.plan.collectives import CollectiveCosts, choose_form, padding_numel
+
+    costs = CollectiveCosts(launch_s=5e-6, bytes_per_s=50e9)
+    cuts = (0, 100, 250, 250, 400)  # sizes 100, 150, 0, 150: padding 4 * 150 - 400 = 200 elements
+    assert padding_numel(cuts) == 200
+    # 4 ops of 10 us each against one op, the staging and 800 bytes: padded.
+    assert costs.grouped_s(cuts) == pytest.approx(4 * 5e-6 * 2)
+    assert costs.padded_s(cuts, 4) == pytest.approx(5e-6 * 2 + 2 * 5e-6 + 800 / 50e9)
+    assert choose_form(cuts, element_bytes=4, backend="nccl") == "padded"
+    # The same cuts scaled up until the padding costs more on the wire than the launches save.
+    huge = tuple(c * 10_000_000 for c in cuts)
+    assert costs.padded_s(huge, 4) > costs.grouped_s(huge)
+    assert choose_form(huge, element_bytes=4, backend="nccl") == "grouped"
+    # A slower wire moves the threshold: fewer bytes of padding already tip it.
+    assert choose_form(tuple(c * 10_000 for c in cuts), element_bytes=4, backend="nccl",
+                       costs=CollectiveCosts(bytes_per_s=1e8)) == "grouped"
+    # Equal segments: nothing to pad, one launch beats P at any size.
+    assert choose_form((0, 10**9, 2 * 10**9), element_bytes=4, backend="nccl") == "padded"
+
+
+def test_latency_grows_with_the_ring_and_the_gain_with_the_world():
+    from ds_canzona.plan.collectives import CollectiveCosts, choose_form
+
+    costs = CollectiveCosts()
+    assert costs.latency_s(2) == costs.latency_s(1) == costs.launch_s
+    assert costs.latency_s(1024) == pytest.approx(10 * costs.launch_s)
+    # One bucket shape, one rank holding everything: at DP=8 the padding (7 x the bucket) is too
+    # much, at DP=1024 the 1024 launches cost more than the padding does.
+    numel = 2_000_000
+    at_8 = (0, numel) + (numel,) * 7
+    at_1024 = (0, numel // 64) + (numel // 64,) * 1023
+    assert choose_form(at_8, element_bytes=2, backend="nccl") == "grouped"
+    assert choose_form(at_1024, element_bytes=2, backend="nccl") == "padded"
+
+
+def test_settings_override_gloo_and_one_rank():
+    from ds_canzona.plan.collectives import bucket_forms, choose_form
+
+    cuts = (0, 10, 30, 30)
+    assert choose_form(cuts, element_bytes=4, backend="gloo") == "grouped"  # gloo's default: measured
+    assert choose_form(cuts, element_bytes=4, backend="nccl") == "padded"
+    assert choose_form(cuts, element_bytes=4, backend="nccl", setting="grouped") == "grouped"
+    assert choose_form(cuts, element_bytes=4, backend="gloo", setting="padded") == "padded"
+    assert choose_form((0, 7), element_bytes=4, backend="nccl", setting="padded") == "grouped"  # no collective
+    forms = bucket_forms([cuts, (0, 5, 10, 15)], reduce_scatter_bytes=4, all_gather_bytes=2, backend="nccl")
+    assert forms.reduce_scatter == forms.all_gather == ("padded", "padded")
+    # 3 * 20 - 30 = 30 padding elements in the first bucket, none in the second.
+    assert (forms.reduce_scatter_summary.padding_bytes, forms.all_gather_summary.padding_bytes) == (120, 60)
+    assert forms.reduce_scatter_summary.bucket_bytes == 45 * 4
+    assert forms.all_gather_summary.padding_fraction == pytest.approx(60 / 90)
+
+
+@pytest.mark.parametrize("bad", [{"setting": "fast"}, {"cuts": (0, 5, 3)}, {"cuts": (0,)}])
+def test_choice_rejects_bad_input(bad):
+    from ds_canzona.plan.collectives import choose_form
+
+    with pytest.raises(ValueError):
+        choose_form(bad.get("cuts", (0, 1, 2)), element_bytes=4, backend="nccl", setting=bad.get("setting", "default"))
+
+
+@pytest.mark.parametrize("value", [0, -1.0, math.inf, True, "5e-6"])
+def test_costs_reject_non_positive_constants(value):
+    from ds_canzona.plan.collectives import CollectiveCosts
+
+    with pytest.raises(ValueError):
+        CollectiveCosts(launch_s=value)
+    with pytest.raises(ValueError):
+        CollectiveCosts(bytes_per_s=value)
+
+
+def test_config_key_and_constants():
+    from ds_canzona.config import CanzonaConfigError, parse_canzona_section
+    from ds_canzona.plan.collectives import CollectiveCosts
+
+    assert parse_canzona_section({"canzona": {}}).collectives == "default"
+    assert parse_canzona_section({"canzona": {}}).collective_costs == CollectiveCosts()
+    tuned = parse_canzona_section({"canzona": {"collective_launch_s": 2e-5, "collective_bytes_per_s": 1e10}})
+    assert tuned.collective_costs == CollectiveCosts(launch_s=2e-5, bytes_per_s=1e10)
+    for raw, message in (({"collectives": "fast"}, "canzona.collectives"),
+                         ({"collectives": True}, "canzona.collectives"),
+                         ({"collective_launch_s": 0}, "canzona.collective_launch_s"),
+                         ({"collective_bytes_per_s": "1e9"}, "canzona.collective_bytes_per_s"),
+                         ({"collectives": "padded", "collective_launch_s": 1e-5}, "'default' only")):
+        with pytest.raises(CanzonaConfigError, match=message):
+            parse_canzona_section({"canzona": raw})
+
+
+# --------------------------------------------------------------------------- both forms on 3 gloo ranks
+def _on_grid(grad: torch.Tensor) -> torch.Tensor:
+    return torch.round(grad / GRID) * GRID
+
+
+def _gridded_model():
+    from tiny_model import make_model
+
+    model = make_model()
+    for param in model.parameters():
+        param.register_hook(_on_grid)
+    return model
+
+
+@pytest.fixture(scope="module")
+def gloo_runs():
+    return run_ranks(_forms_ranks_with_layout, 3, timeout=600)
+
+
+def _forms_ranks_with_layout(rank: int, world_size: int) -> dict:
+    import zero_workers
+
+    zero_workers.MODELS["gridded"] = _gridded_model
+    captured = {}
+    original_init = zero_workers.init_engine
+
+    def init_and_keep(config, model=None):
+        engine = original_init(config, model=model)
+        captured["zero"] = engine.optimizer
+        return engine
+
+    zero_workers.init_engine = init_and_keep
+    out = {}
+    for name, stage, collectives in (("grouped2", 2, "grouped"), ("padded2", 2, "padded"), ("padded1", 1, "padded")):
+        config = zero_workers.make_config(world_size, stage=stage, canzona={"collectives": collectives})
+        result = zero_workers.train(rank, world_size, config, STEPS, model_name="gridded")
+        zero = captured["zero"]
+        result["cuts"] = zero.layout.bucket_cuts
+        result["forms"] = (zero.collective_forms.reduce_scatter, zero.collective_forms.all_gather)
+        result["calls"] = dict(zero.comm.calls)
+        result["padding"] = dict(zero.comm.padding)
+        out[name] = result
+    return out
+
+
+def test_padded_and_grouped_forms_are_bitwise_equal_and_the_single_process_step(gloo_runs):
+    from test_zero_stage12 import assert_params_equal, merged_grads, single_process_replay
+    from zero_workers import BASE_CONFIG
+
+    rank0 = gloo_runs[0]
+    cuts = rank0["padded2"]["cuts"]
+    sizes = [[c[r + 1] - c[r] for r in range(3)] for c in cuts]
+    assert any(0 in s for s in sizes), f"no bucket has an empty segment: {sizes}"
+    assert any(len({x for x in s if x}) > 1 for s in sizes), f"no bucket has uneven non-empty segments: {sizes}"
+    buckets = len(cuts)
+    assert rank0["grouped2"]["forms"] == (("grouped",) * buckets,) * 2
+    for name in ("padded2", "padded1"):
+        assert rank0[name]["forms"] == (("padded",) * buckets,) * 2
+        assert rank0[name]["padding"]["reduce_scatter"] > 0 and rank0[name]["padding"]["all_gather"] > 0
+    assert "all_gather" not in rank0["grouped2"]["calls"]  # gloo's grouped all-gather: broadcasts
+    for name in ("grouped2", "padded2", "padded1"):
+        results = [r[name] for r in gloo_runs]
+        for r in results[1:]:
+            assert_params_equal(results[0]["params"], r["params"])
+        replay = single_process_replay(BASE_CONFIG["optimizer"], merged_grads(results), clip=1.0)
+        assert_params_equal(results[0]["params"], replay)
+    assert_params_equal(rank0["grouped2"]["params"], rank0["padded2"]["params"])
+    assert_params_equal(rank0["grouped2"]["params"], rank0["padded1"]["params"])
