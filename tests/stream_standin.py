@@ -228,7 +228,8 @@ def _all_gather_fill(a) -> None:
 
 
 def _all_gather_into_fill(a) -> None:
-    a["output_tensor"].view(-1, a["input_tensor"].numel()).copy_(a["input_tensor"].reshape(1, -1))
+    # The input may be the output's own slot (an in-place all-gather, as NCCL allows): copy it first.
+    a["output_tensor"].view(-1, a["input_tensor"].numel()).copy_(a["input_tensor"].reshape(1, -1).clone())
 
 
 def _is_root(a, key: str) -> bool:

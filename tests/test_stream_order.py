@@ -17,8 +17,11 @@ inductor uses no streams at all (a real compile exercises no other stream here),
 simulated: every other parameter's gradient is produced on a second compute stream of the
 stand-in, and its hook runs there (``StreamModel.gradient_from``). Stages 2 and 3 also run with
 ``communication_data_type`` bf16 and a predivide factor (the conversion and division on the
-reduction stream, the converted copy released). The process is rank 0 of the world: at DP=4 it
-owns some items and not others, so it is both a sender and an owner.
+reduction stream, the converted copy released). The fake backend is not gloo, so the stage-1/2
+buckets take the cost model's form, padded here (staged through padded buffers on the reduction
+stream, an in-place all-gather); one stage-2 case forces the grouped form (the uneven lists). The
+process is rank 0 of the world: at DP=4 it owns some items and not others, so it is both a sender
+and an owner.
 
 The control cases run the same engines with the stream order switched off (``streams_are_real``
 false: the plain waits on the current stream that the runtimes did before they stated any order)
@@ -45,6 +48,8 @@ CASES = {
     "stage2": {"stage": 2},
     "stage2_compile_streams": {"stage": 2, "compile_streams": True},
     "stage2_compile_streams_bf16_communication": {"stage": 2, "compile_streams": True, "config": NUMERICS},
+    # The fake backend is not gloo: by default the buckets' collectives are padded here; this one is grouped.
+    "stage2_compile_streams_grouped": {"stage": 2, "compile_streams": True, "canzona": {"collectives": "grouped"}},
     "stage3": {"stage": 3},
     "stage3_compile_streams": {"stage": 3, "compile_streams": True},
     "stage3_compile_streams_bf16_communication": {"stage": 3, "compile_streams": True, "config": NUMERICS},
@@ -68,7 +73,7 @@ def _engine(case: dict):
     import zero_workers
     from tiny_model import batches
     config = zero_workers.make_config(WORLD, stage=case["stage"], gradient_accumulation_steps=GA,
-                                      **case.get("config", {}))
+                                      canzona=case.get("canzona"), **case.get("config", {}))
     engine = zero_workers.init_engine(config)
     return engine, lambda step, micro: batches(step, micro, RANK, WORLD), lambda engine, batch: engine(batch)
 
@@ -93,10 +98,16 @@ def _hooks_on_side_stream(model, zero) -> list[int]:
 
 
 def _expected(zero, case: dict) -> dict:
-    """What the reduction stream must have issued in the run: one collective per bucket (or item) and reduction."""
+    """What the reduction stream must have issued in the run: one collective per bucket (or item) and reduction.
+
+    A bucket's reduce-scatter is ``reduce_scatter`` (grouped: the uneven list) or ``reduce_scatter_tensor`` (padded).
+    """
     if case["stage"] == 3:
         return {"reduce": len(zero.plan.specs) * STEPS * GA}
-    return {"reduce_scatter": len(zero.plan.buckets) * STEPS}
+    forms = zero.collective_forms.reduce_scatter
+    padded = sum(form == "padded" for form in forms)
+    expected = {"reduce_scatter": (len(forms) - padded) * STEPS, "reduce_scatter_tensor": padded * STEPS}
+    return {kind: count for kind, count in expected.items() if count}
 
 
 def _run_case(case: dict) -> dict:
@@ -240,6 +251,8 @@ def test_runtime_orders_every_collective_and_buffer(runs, name):
             continue
         assert run["collectives"].get(f"{kind} on {run['reduction_stream']}") == count, run["collectives"]
         assert sum(n for key, n in run["collectives"].items() if key.startswith(f"{kind} on ")) == count
+    if name.startswith(("stage1", "stage2")):  # the form each case is meant to check
+        assert set(run["expected"]) == {"reduce_scatter" if name.endswith("grouped") else "reduce_scatter_tensor"}
     if CASES[name].get("compile_streams"):
         assert run["side_hook_runs"] > 0
     if CASES[name]["stage"] == 3:
