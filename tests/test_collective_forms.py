@@ -3,7 +3,7 @@
 - The choice (``ds_canzona.plan.collectives``) in one process: the cost model in both directions,
   the override, the constants, invalid settings; the config key's errors.
 - Equal results, on 3 gloo ranks (one spawn): the tiny model's buckets at DP=3 have uneven
-  segments and empty ones. Stage 2 grouped and padded, and stage 1 padded, train 4 steps on
+  segments and empty ones. Stage 2 grouped and padded, and stage 1 padded, train 3 steps on
   gradients rounded to multiples of 2**-20 (so the sum over ranks is exact in fp32 whatever
   order a collective adds in: gloo's list reduce-scatter and its reduce_scatter_tensor add in
   different orders at DP>=3, and so would NCCL's ncclReduce and ncclReduceScatter). The
@@ -11,8 +11,8 @@
   runtime's averaged gradients.
 - Launches at DP=64, in one process on torch's fake process group: the padded form issues one
   reduce_scatter_tensor and one all_gather_into_tensor per bucket; the grouped form one uneven
-  list call per bucket with 64 segments (torch runs it as 64 rank-rooted NCCL operations); the
-  default picks padded for these small buckets.
+  list call per bucket with 64 segments (torch runs it as 64 rank-rooted NCCL operations). The
+  default is the padded form here (the cost model on a backend that is not gloo, small buckets).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 from distributed import run_ranks
 
-STEPS = 4
+STEPS = 3
 GRID = 2.0 ** -20
 
 
@@ -185,3 +185,82 @@ def test_padded_and_grouped_forms_are_bitwise_equal_and_the_single_process_step(
         assert_params_equal(results[0]["params"], replay)
     assert_params_equal(rank0["grouped2"]["params"], rank0["padded2"]["params"])
     assert_params_equal(rank0["grouped2"]["params"], rank0["padded1"]["params"])
+
+
+# --------------------------------------------------------------------------- launches at DP=64, one process
+FAKE_WORLD = 64
+BUCKET_COLLECTIVES = ("reduce_scatter", "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor", "broadcast")
+
+
+class _Done:
+    def wait(self):
+        return None
+
+
+def _record_bucket_collectives(log: list):
+    """deepspeed.comm's bucket collectives, recorded as (name, operations inside) while ``log`` is switched on.
+
+    The fake backend does nothing with a collective and rejects uneven all-gathers, so an uneven
+    list is recorded and not passed on (a reduce-scatter's output gets zeros: the step stays finite).
+    """
+    import deepspeed.comm as dist
+
+    def wrap(name, original):
+        def recorded(*args, **kwargs):
+            listed = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, list)), None)
+            if log and log[0] == "on":
+                log.append((name, len(listed) if listed is not None else 1))
+            if listed is not None and len({t.numel() for t in listed}) > 1:
+                output = args[0] if args else kwargs.get("output")
+                if name == "reduce_scatter":
+                    output.zero_()
+                return _Done() if kwargs.get("async_op") else None
+            return original(*args, **kwargs)
+        return recorded
+
+    for name in BUCKET_COLLECTIVES:
+        setattr(dist, name, wrap(name, getattr(dist, name)))
+
+
+def _launches_at_64(rank: int, world_size: int) -> dict:
+    from fake_world import fake_world
+    from tiny_model import batches
+    import zero_workers
+
+    out = {}
+    with fake_world(0, FAKE_WORLD):
+        log: list = ["off"]
+        _record_bucket_collectives(log)
+        for collectives in ("default", "grouped"):  # default: padded here (checked); "padded" runs on gloo
+            config = zero_workers.make_config(FAKE_WORLD, stage=2, gradient_accumulation_steps=1,
+                                              canzona={"collectives": collectives})
+            engine = zero_workers.init_engine(config)
+            zero = engine.optimizer
+            zero.comm.reset()
+            log[:] = ["on"]
+            engine.backward(engine(batches(0, 0, 0, FAKE_WORLD)))
+            engine.step()
+            out[collectives] = {"calls": log[1:], "buckets": len(zero.plan.buckets),
+                                "forms": (zero.collective_forms.reduce_scatter, zero.collective_forms.all_gather),
+                                # what CommCounter counted for the buckets (the norm's all-reduce left out)
+                                "operations": {k: zero.comm.operations[k] for k in ("reduce_scatter", "all_gather")},
+                                "counted_calls": {k: zero.comm.calls[k] for k in ("reduce_scatter", "all_gather")}}
+            log[:] = ["off"]
+    return out
+
+
+def test_padded_launches_once_per_bucket_and_grouped_once_per_rank_at_dp64():
+    (runs,) = run_ranks(_launches_at_64, 1, timeout=600)
+    buckets = runs["default"]["buckets"]
+    assert buckets > 1
+    # The cost model at DP=64: 64 launches of 30 us per bucket outweigh a few KB of padding.
+    assert runs["default"]["forms"] == (("padded",) * buckets,) * 2
+    padded = runs["default"]["calls"]
+    assert sorted(padded) == sorted([("reduce_scatter_tensor", 1)] * buckets + [("all_gather_into_tensor", 1)] * buckets)
+    assert runs["default"]["operations"] == {"reduce_scatter": buckets, "all_gather": buckets}
+    grouped = runs["grouped"]["calls"]
+    # One uneven list per bucket and collective: torch runs each as 64 ncclReduce / ncclBroadcast.
+    assert sorted(grouped) == sorted([("reduce_scatter", FAKE_WORLD)] * buckets + [("all_gather", FAKE_WORLD)] * buckets)
+    assert runs["grouped"]["operations"] == {"reduce_scatter": FAKE_WORLD * buckets, "all_gather": FAKE_WORLD * buckets}
+    assert runs["grouped"]["counted_calls"] == runs["default"]["counted_calls"] == {"reduce_scatter": buckets,
+                                                                                    "all_gather": buckets}
