@@ -16,12 +16,14 @@ import sys
 from typing import Any
 
 from .cli import Command
+from .plan.collectives import COLLECTIVE_SETTINGS, BucketForms, CollectiveCosts, bucket_forms
 from .plan.cost import COST_MODELS, DEFAULT_MACHINE_BALANCE, CostModel, cost_model
 from .plan.dp import DEFAULT_SPLIT_NUMEL, STRATEGIES, plan_dp_partitions
 from .plan.memory import StateMemory, memory_model
 from .plan.models import model_specs, shipped_models
 from .plan.owners import plan_zero3_owners
-from .plan.report import COMMUNICATION_LEGEND, format_dp_table, format_tp_groups, format_zero3_table, plot_dp
+from .plan.report import (COMMUNICATION_LEGEND, format_collective_forms, format_dp_table, format_tp_groups,
+                          format_zero3_table, plot_dp)
 from .plan.specs import ParamSpec, PlanError, shard_for_tp, specs_from_hf_config, specs_from_shapes_file
 from .plan.tp import DEFAULT_CAPACITY_BYTES, plan_tp_micro_groups
 
@@ -46,6 +48,7 @@ def run_plan(args: argparse.Namespace) -> int:
         specs, world_size=args.dp, bucket_numel=args.bucket_numel, alpha=args.alpha, strategy=args.strategy, cost=cost,
         split_numel=args.split_numel, memory=_memory_model(args), max_state_bytes_per_rank=args.max_state_bytes,
     )
+    forms = _collective_forms(args, plan.buckets)
     tp_plan = None
     if args.tp > 1:
         tp_plan = plan_tp_micro_groups(specs, tp_size=args.tp, capacity_bytes=args.tp_capacity_mb * 2**20, cost=cost)
@@ -54,6 +57,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.json:
         document: dict[str, Any] = plan.to_dict()
         document["digest"] = plan.digest()
+        document["collectives"] = _forms_document(forms)
         if tp_plan is not None:
             document["tp"] = tp_plan.to_dict()
         json.dump(document, sys.stdout)
@@ -65,12 +69,32 @@ def run_plan(args: argparse.Namespace) -> int:
         title += f" (TP-local shards, TP {args.tp})"
     print(format_dp_table(plan, title=title))
     print(COMMUNICATION_LEGEND)
+    print(format_collective_forms(forms))
     if tp_plan is not None:
         print()
         print(format_tp_groups(tp_plan))
     if args.plot:
         print(f"\nplot written to {args.plot}")
     return 0
+
+
+def _collective_forms(args: argparse.Namespace, buckets) -> BucketForms:
+    """The runtime's choice of bucket collectives for this plan (both in the --dtype, the default communication dtype)."""
+    defaults = CollectiveCosts()
+    costs = CollectiveCosts(launch_s=args.collective_launch_s or defaults.launch_s,
+                            bytes_per_s=args.collective_bytes_per_s or defaults.bytes_per_s)
+    element = PARAM_BYTES[args.dtype]
+    return bucket_forms([bucket.cuts for bucket in buckets], reduce_scatter_bytes=element, all_gather_bytes=element,
+                        backend=args.backend, setting=args.collectives, costs=costs)
+
+
+def _forms_document(forms: BucketForms) -> dict[str, Any]:
+    summaries = {"reduce_scatter": forms.reduce_scatter_summary, "all_gather": forms.all_gather_summary}
+    return {"setting": forms.setting, "backend": forms.backend,
+            **{name: {"forms": list(getattr(forms, name)), "padded": summary.padded, "grouped": summary.grouped,
+                      "padding_bytes": summary.padding_bytes, "bucket_bytes": summary.bucket_bytes,
+                      "grouped_s": summary.grouped_s, "padded_s": summary.padded_s}
+               for name, summary in summaries.items()}}
 
 
 def _run_zero3(args: argparse.Namespace, specs: list[ParamSpec], source: str, cost: CostModel) -> int:
@@ -139,6 +163,15 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MB",
         help="micro-group C_max (default 512)",
     )
+    parser.add_argument("--collectives", choices=COLLECTIVE_SETTINGS, default="default",
+                        help="bucket collectives as canzona.collectives: the cost model's choice per bucket (default), "
+                             "grouped or padded; reported with the padding bytes it costs")
+    parser.add_argument("--backend", default="nccl", metavar="NAME",
+                        help="the process group's backend the choice is made for (default nccl; gloo keeps grouped)")
+    parser.add_argument("--collective-launch-s", type=_positive, default=None, metavar="S",
+                        help="cost model: one collective operation's latency per hop (canzona.collective_launch_s)")
+    parser.add_argument("--collective-bytes-per-s", type=_positive, default=None, metavar="B",
+                        help="cost model: wire bytes per second (canzona.collective_bytes_per_s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--plot", metavar="FILE.png", help="draw per-rank cost and memory (needs matplotlib)")
 
@@ -177,6 +210,16 @@ def _memory_model(args: argparse.Namespace) -> StateMemory:
 def _split_count(text: str) -> int | None:
     """--split-numel: a positive element count, or 0 for whole tensors."""
     return None if text.strip() == "0" else _count(text)
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
 
 
 def _count(text: str) -> int:

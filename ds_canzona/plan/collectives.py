@@ -126,19 +126,25 @@ class FormSummary:
     grouped: int
     padding_bytes: int  # per step: the padded buckets' padding, once each
     bucket_bytes: int  # per step: every bucket's own bytes, once each
+    grouped_s: float  # the cost model's seconds per step with every bucket grouped (launches only)
+    padded_s: float  # ... with every bucket padded (launch, staging, padding on the wire)
 
     @property
     def padding_fraction(self) -> float:
         return self.padding_bytes / self.bucket_bytes if self.bucket_bytes else 0.0
 
 
-def summarize_forms(bucket_cuts: Sequence[Sequence[int]], forms: Sequence[str], element_bytes: int) -> FormSummary:
+def summarize_forms(bucket_cuts: Sequence[Sequence[int]], forms: Sequence[str], element_bytes: int,
+                    costs: CollectiveCosts = CollectiveCosts()) -> FormSummary:
     if len(forms) != len(bucket_cuts):
         raise ValueError(f"{len(forms)} forms for {len(bucket_cuts)} buckets")
     padding = sum(padding_numel(cuts) for cuts, form in zip(bucket_cuts, forms) if form == PADDED)
+    real = [cuts for cuts in bucket_cuts if len(cuts) > 2]  # one rank: no collective to price
     return FormSummary(padded=sum(form == PADDED for form in forms), grouped=sum(form == GROUPED for form in forms),
                        padding_bytes=padding * element_bytes,
-                       bucket_bytes=sum(cuts[-1] - cuts[0] for cuts in bucket_cuts) * element_bytes)
+                       bucket_bytes=sum(cuts[-1] - cuts[0] for cuts in bucket_cuts) * element_bytes,
+                       grouped_s=sum(costs.grouped_s(cuts) for cuts in real),
+                       padded_s=sum(costs.padded_s(cuts, element_bytes) for cuts in real))
 
 
 @dataclass(frozen=True)
@@ -161,5 +167,5 @@ def bucket_forms(bucket_cuts: Sequence[Sequence[int]], *, reduce_scatter_bytes: 
     all_gather = choose_forms(bucket_cuts, element_bytes=all_gather_bytes, backend=backend, setting=setting,
                               costs=costs)
     return BucketForms(reduce_scatter=reduce_scatter, all_gather=all_gather, setting=setting, backend=backend,
-                       reduce_scatter_summary=summarize_forms(bucket_cuts, reduce_scatter, reduce_scatter_bytes),
-                       all_gather_summary=summarize_forms(bucket_cuts, all_gather, all_gather_bytes))
+                       reduce_scatter_summary=summarize_forms(bucket_cuts, reduce_scatter, reduce_scatter_bytes, costs),
+                       all_gather_summary=summarize_forms(bucket_cuts, all_gather, all_gather_bytes, costs))

@@ -25,12 +25,13 @@ COMMUNICATION_LEGEND = (
 
 
 def format_collective_forms(forms: BucketForms) -> str:
-    """One line: how many buckets take each form, per collective, and the padding bytes per step that costs."""
-    parts = []
+    """How many buckets take each form, per collective, the padding bytes per step that costs, and the model's prices."""
+    lines = [f"collectives ({forms.setting}, backend {forms.backend}), per step:"]
     for name, summary in (("reduce-scatter", forms.reduce_scatter_summary), ("all-gather", forms.all_gather_summary)):
-        parts.append(f"{name} {summary.padded} padded / {summary.grouped} grouped, padding "
-                     f"{summary.padding_bytes:,} bytes per step ({summary.padding_fraction:.2%} of its bucket bytes)")
-    return f"collectives ({forms.setting}, backend {forms.backend}): " + "; ".join(parts)
+        lines.append(f"  {name}: {summary.padded} buckets padded, {summary.grouped} grouped; padding "
+                     f"{summary.padding_bytes:,} bytes ({summary.padding_fraction:.2%} of the bucket bytes); model: "
+                     f"all grouped {summary.grouped_s * 1e3:.3g} ms, all padded {summary.padded_s * 1e3:.3g} ms")
+    return "\n".join(lines)
 
 
 def format_zero3_table(plan: Zero3Plan, *, title: str = "") -> str:

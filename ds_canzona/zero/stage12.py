@@ -176,7 +176,7 @@ class CanzonaZeroOptimizer(OwnerRuntime):
         for r in ranks:
             lines.append(f"  rank {r}: cost {costs[r]:.3e}, {state[r]:.0f} state bytes, {numels[r]} elements, "
                          f"{len(plan.owned_params(r))} items")
-        lines.append("  " + format_collective_forms(self.collective_forms))
+        lines.extend("  " + line for line in format_collective_forms(self.collective_forms).splitlines())
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ buffers and state
