@@ -139,9 +139,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="FILE.png", help="also draw the iteration times (needs matplotlib)")
     parser.add_argument("--from-json", metavar="FILES",
                         help="comma-separated JSON files of earlier runs: print (and plot) them together, run nothing")
+    parser.add_argument("--ops", action="store_true",
+                        help="count kernel launches and bytes allocated per owned item in one steady-state step of "
+                        "the ds_canzona rows (default canzona-z1,canzona-z2, Muon, the first --dp size), beside the "
+                        "recorded counts of the step before its per-item overhead was removed; times nothing")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.ops:
+        return _run_ops(args)
     if args.from_json:
         payloads = []
         for path in args.from_json.split(","):
@@ -157,6 +163,32 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot_step(payload, args.plot)
         print(f"plot written to {args.plot}")
+    return 0
+
+
+def _run_ops(args: argparse.Namespace) -> int:
+    from .step_ops import BEFORE, measure_ops, ops_table, summed
+
+    dp = int(args.dp.split(",")[0])
+    given = args.systems != ",".join(SYSTEMS)
+    systems = [v.strip() for v in args.systems.split(",") if v.strip()] if given else ["canzona-z1", "canzona-z2"]
+    if any(not key.startswith("canzona") or key not in SYSTEMS for key in systems):
+        raise ValueError(f"--ops counts ds_canzona rows only, got {systems}")
+    optimizer = args.optimizers.split(",")[0].strip().lower() if args.optimizers != "muon,shampoo" else "muon"
+    shape = ModelShape(**{name: getattr(args, name) for name in ModelShape.__dataclass_fields__})
+    bucket_numel = args.bucket_numel if args.bucket_numel is not None else model_numel(shape)
+    rows = summed(measure_ops(dp=dp, systems=systems, optimizer=optimizer, shape=shape, bucket_numel=bucket_numel,
+                              ns_method=args.ns_method, warmup=max(1, args.warmup), timeout=args.timeout))
+    setting = {"dp": dp, "optimizer": optimizer, "model": asdict(shape), "bucket_numel": bucket_numel}
+    same = BEFORE and {k: BEFORE.get(k) for k in setting} == setting
+    print(f"Model: {shape.describe()}. DP={dp}, {optimizer}, bucket {bucket_numel} elements; one steady-state "
+          "step per row, counted by a dispatch mode (ds_canzona.bench.step_ops).")
+    print("before: " + (f"recorded at commit {BEFORE['commit']} on the same setting" if same else
+                        "not recorded for this setting (the record is for the default model, DP=2, Muon)") + "\n")
+    print(ops_table(rows, BEFORE if same else None))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump({**setting, "systems": rows, "before": BEFORE if same else None}, handle, indent=1)
     return 0
 
 
