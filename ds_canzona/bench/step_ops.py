@@ -4,17 +4,17 @@ Counted, not timed: a ``TorchDispatchMode`` (``LaunchCounter``) sees every aten 
 steady-state ``engine.step()`` on each rank. An operation counts as one launch unless it only
 makes a view (no kernel), only allocates (``empty``: the allocator, no kernel) or touches the
 optimizers' step counters alone (host tensors by design, ``ds_canzona.optim.base.new_step``). A
-foreach operation counts once: on a GPU it is one multi-tensor kernel per group of tensors
-(more for very many tensors: a launch carries a bounded number of them), where the per-tensor
-form launches once per tensor. Bytes allocated are the outputs of operations that are new
-tensors (not views, not in place): the temporaries of the step.
+foreach operation counts once: on a GPU it is one multi-tensor kernel per batch of tensors
+(torch fits a few dozen tensors, or a few hundred 64K-element chunks, into one launch), where
+the per-tensor form launches once per tensor. Bytes allocated are the storages of the new
+tensors operations return (not views, not in place), summed over the step: its temporaries.
 
 The count is split by where it happens: inside the AdamW rule (per owned AdamW item), inside the
 matrix rules (per owned matrix), and the rest of the step (gradients, norm, clipping,
 publishing: per owned item). ``BEFORE`` holds the same counts of the step as it was before the
 step's per-item overhead was removed, measured once with this module on that code (commit in
-``BEFORE["commit"]``, same model and DP, ``scripts``-free: see docs/BENCHMARKS.md) and printed
-beside the live numbers.
+``BEFORE["commit"]``; the default model at DP=2, docs/BENCHMARKS.md) and printed beside the live
+numbers when the setting is the same.
 """
 
 from __future__ import annotations
