@@ -81,6 +81,16 @@ def test_foreach_adamw_equals_the_per_tensor_sequence(dtype, adam_w_mode, weight
                 assert torch.equal(state[key], expected[key]), key
 
 
+def test_foreach_groups_cut_by_size_give_the_same_bits(monkeypatch):
+    import ds_canzona.optim.adamw as adamw
+
+    monkeypatch.setattr(adamw, "FOREACH_GROUP_NUMEL", 40)  # SIZES: runs of 1+7+15, 561 alone, 66 alone, ...
+    test_foreach_adamw_equals_the_per_tensor_sequence(torch.float32, True, 0.1)
+    test_foreach_adamw_equals_the_per_tensor_sequence(torch.bfloat16, False, 0.1)
+    runs = list(adamw._bounded_groups([(torch.empty(n),) for n in (1, 7, 15, 561, 66, 30, 10)], 40))
+    assert [[item[0].numel() for item in run] for run in runs] == [[1, 7, 15], [561], [66], [30, 10]]
+
+
 def test_foreach_adamw_leaves_the_gradients_alone_in_l2_mode():
     rule = AdamWRule(weight_decay=0.5, adam_w_mode=False)
     params = [torch.randn(5), torch.randn(3, 2)]
