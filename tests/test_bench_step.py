@@ -166,3 +166,20 @@ def test_step_memory_peak_sees_a_step_temporary():
     assert memory["step_net"] == 4000
     assert 4_000_000 <= memory["step_extra"] < 4_000_000 + 10_000
     assert memory["step_peak"] == 128 + memory["step_extra"]
+
+
+def test_step_ops_counts_launches_per_owned_item(tmp_path, capsys):
+    # One rank (the cheapest spawn): the counts are per owned item, and every item is owned here.
+    out = tmp_path / "ops.json"
+    assert main(["--ops", "--dp", "1", "--systems", "canzona-z2", "--warmup", "1", "--json", str(out), *TINY]) == 0
+    printed = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["before"] is None  # recorded for the default model only
+    (row,) = data["systems"]["canzona-z2"]
+    assert row["items"]["adamw"] > 1 and row["items"]["matrix"] == MATRICES
+    launches = row["launches"]
+    assert launches["adamw"] > 0 and launches["matrix"] > 0 and launches["step"] > 0
+    # The foreach AdamW launches per group (about 10), where the per-tensor form launched 9 per tensor.
+    assert launches["adamw"] < row["items"]["adamw"] * 2
+    assert row["allocated"]["adamw"] > 0
+    assert "launches per AdamW item (in the rule)" in printed and "canzona-z2:" in printed

@@ -21,10 +21,34 @@ import math
 import torch
 
 
+# Elements of a gradient widened to float64 at a time for its squared norm: 2 MB of float64,
+# small enough to stay in a GPU's L2 cache (and a CPU core's), so the widened copy costs no
+# memory traffic beyond the one read of the gradient and no full-size allocation.
+NORM_CHUNK_NUMEL = 1 << 18
+
+
 def tensor_sq_norm(grad: torch.Tensor) -> torch.Tensor:
-    """Squared L2 norm of one gradient, accumulated in float64 (a 0-dim float64 tensor)."""
-    g = grad.detach().to(torch.float64)
-    return torch.dot(g.reshape(-1), g.reshape(-1))
+    """Squared L2 norm of one gradient, accumulated in float64 (a 0-dim float64 tensor).
+
+    The gradient is widened to float64 ``NORM_CHUNK_NUMEL`` elements at a time; each chunk's
+    dot product is one float64 partial sum, and one float64 sum adds the partial sums. Up to
+    one chunk this is exactly ``dot(g64, g64)``, as before; above, the same float64 products
+    (exact for fp32 and narrower gradients) are summed in a different grouping. Both sums are of
+    n non-negative terms, so each lies within n x 2**-53 of the exact sum, relatively (the
+    textbook bound of any summation order), and they differ by at most twice that; measured
+    (tests/test_step_overhead.py): 2.5e-14 relative on 8e5 elements, against a bound of 1.8e-10.
+    Every caller (the runtimes and the single-process references) uses this one function on the
+    same items, so distributed and single-process clipping stay bit-identical.
+    """
+    flat = grad.detach().reshape(-1)
+    if flat.numel() <= NORM_CHUNK_NUMEL:
+        wide = flat.to(torch.float64)
+        return torch.dot(wide, wide)
+    partial = []
+    for chunk in flat.split(NORM_CHUNK_NUMEL):
+        wide = chunk.to(torch.float64)
+        partial.append(torch.dot(wide, wide))
+    return torch.stack(partial).sum()
 
 
 def clip_coefficient(sq_norms: torch.Tensor, max_norm: float) -> tuple[float, float]:

@@ -66,6 +66,7 @@ class OwnerRuntime(ZeROOptimizer):
         self.comm = CommCounter()
         self.overflow = False
         self._global_grad_norm = 0.0
+        self._norm_index_key: tuple[int, ...] | None = None  # the items of _norm_index (see _owned_sq_norms)
         self.custom_loss_scaler = False
         self.external_loss_scale = None
         self.torch_autocast_gradscaler = None
@@ -139,10 +140,7 @@ class OwnerRuntime(ZeROOptimizer):
         # One collective for both the overflow check and clipping: every entry is non-zero on
         # its owner only, so the all-reduced vector is exact, and its sum in plan order is the
         # same number on every rank and at every world size.
-        sq_norms = torch.zeros(len(self.plan.specs), dtype=torch.float64, device=self.device)
-        for j, g in zip(items, grads):
-            if self._counts_in_norm(j):
-                sq_norms[j] = tensor_sq_norm(g)
+        sq_norms = self._owned_sq_norms(items, grads)
         all_reduce_sum(sq_norms, group=self.norm_group, counter=self.comm, kind="all_reduce")
         # The step's one host read: the norm, which is non-finite exactly when some gradient
         # entry overflowed (see ds_canzona.optim.clipping).
@@ -156,17 +154,32 @@ class OwnerRuntime(ZeROOptimizer):
 
         self._global_grad_norm = total_norm
         if coefficient < 1.0:
-            for g in grads:
-                g.mul_(coefficient)
+            torch._foreach_mul_(grads, coefficient)
 
-        self._update_owned(grads)
         # This is the basic optimizer's step under ZeRO; its own step() never runs. torch's LR
         # schedulers built on it (DeepSpeed hands engine.basic_optimizer to a scheduler callable,
         # the HF Trainer's among them) read this flag to check it stepped before they do.
         self.optimizer._opt_called = True
-        self._publish_updates()
+        self._update_and_publish(grads)
         self.zero_grad()
         return None
+
+    def _owned_sq_norms(self, items: list[int], grads: list[torch.Tensor]) -> torch.Tensor:
+        """The vector of per-item squared norms, with this rank's entries filled in and zeros elsewhere.
+
+        The entries go in with one ``index_copy_`` (not one indexed write per item); the index
+        tensor is built once per list of items, so no step copies it to the device again.
+        """
+        sq_norms = torch.zeros(len(self.plan.specs), dtype=torch.float64, device=self.device)
+        counted = [(j, g) for j, g in zip(items, grads) if self._counts_in_norm(j)]
+        if not counted:
+            return sq_norms
+        key = tuple(j for j, _ in counted)
+        if self._norm_index_key != key:
+            self._norm_index_key = key
+            self._norm_index = torch.tensor(key, dtype=torch.long, device=self.device)
+        sq_norms.index_copy_(0, self._norm_index, torch.stack([tensor_sq_norm(g) for _, g in counted]))
+        return sq_norms
 
     def _step_gradients(self) -> tuple[list[int], list[torch.Tensor]]:
         raise NotImplementedError
@@ -178,10 +191,22 @@ class OwnerRuntime(ZeROOptimizer):
         """Whether this rank adds the item's squared norm (the tensor-parallel runtime counts replicas once)."""
         return True
 
+    def _update_and_publish(self, grads: list[torch.Tensor]) -> None:
+        """Update the owned items, then make the new values the parameters (ZeRO-1/2 interleaves the two)."""
+        self._update_owned(grads)
+        self._publish_updates()
+
     def _update_owned(self, grads: list[torch.Tensor]) -> None:
         """Run each group's per-tensor rule on the owned items of that group (``grads`` in ``_owned`` order first)."""
+        self._run_rules(list(zip(self._owned, grads[:len(self._owned)])))
+
+    def _run_rules(self, work: list[tuple[OwnedTensor, torch.Tensor]]) -> None:
+        """Each group's rule on its items of ``work`` (owned item, averaged gradient), one call per group.
+
+        One call, so the rule sees every item of its group together (AdamW's foreach groups).
+        """
         for group in self.optimizer.param_groups:
-            members = [(t, g) for t, g in zip(self._owned, grads[:len(self._owned)]) if t.group is group]
+            members = [(t, g) for t, g in work if t.group is group]
             if not members:
                 continue
             # Every gradient is known finite here: the norm all-reduce already caught any overflow.

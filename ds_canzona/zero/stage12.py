@@ -213,6 +213,9 @@ class CanzonaZeroOptimizer(OwnerRuntime):
         self.grad_segment: list[torch.Tensor] = []
         self.param_views: list[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
         self.grad_views: list[torch.Tensor | None] = [None] * len(self.params)
+        # Whether tensor i's view holds a gradient of this step (else its first one is copied in).
+        self._holds_grad = [False] * len(self.params)
+        self._bucket_gaps = self._bucket_gap_ranges()
         for bucket in plan.buckets:
             flat = torch.empty(self.layout.bucket_numel[bucket.index], dtype=self.dtype, device=self.device)
             for i in self.bucket_tensors[bucket.index]:
@@ -233,22 +236,63 @@ class CanzonaZeroOptimizer(OwnerRuntime):
                 self._grad_bucket(bucket.index)
 
     def _grad_bucket(self, b: int) -> torch.Tensor:
-        """Bucket b's flat gradient buffer, allocated (zeroed, with its per-param views) if absent."""
+        """Bucket b's flat gradient buffer, allocated (with its per-param views) if absent.
+
+        Not zeroed: each tensor's first gradient of a step is copied into its view and later
+        ones added (``_accumulate``); the views of tensors that got none are zeroed when the
+        bucket leaves (``_zero_missing``). Elements between tensors, if any, are zeroed here.
+        """
         flat = self.grad_flat[b]
         if flat is None:
-            self.streams.use(b)  # allocated and zeroed on the current stream
-            flat = torch.zeros(self.layout.bucket_numel[b], dtype=self.reduction.accumulate_dtype, device=self.device)
+            self.streams.use(b)  # allocated on the current stream
+            flat = torch.empty(self.layout.bucket_numel[b], dtype=self.reduction.accumulate_dtype, device=self.device)
             for i in self.bucket_tensors[b]:
                 start = self.tensor_offset[i]
                 self.grad_views[i] = flat[start:start + self.params[i].numel()].view_as(self.params[i])
+            for start, stop in self._bucket_gaps[b]:
+                flat[start:stop].zero_()
             self.grad_flat[b] = flat
         return flat
+
+    def _bucket_gap_ranges(self) -> list[list[tuple[int, int]]]:
+        """Per bucket, the ranges of its flat buffer that no tensor's view covers (none without padding)."""
+        gaps = []
+        for b, tensors in enumerate(self.bucket_tensors):
+            spans = sorted((self.tensor_offset[i], self.tensor_offset[i] + self.params[i].numel()) for i in tensors)
+            ranges, position = [], 0
+            for start, stop in spans:
+                if start > position:
+                    ranges.append((position, start))
+                position = max(position, stop)
+            if position < self.layout.bucket_numel[b]:
+                ranges.append((position, self.layout.bucket_numel[b]))
+            gaps.append(ranges)
+        return gaps
+
+    def _accumulate(self, i: int, grad: torch.Tensor) -> None:
+        """Tensor i's gradient into its bucket view: copied if it is the first of this step, else added.
+
+        A copy is what adding to zeros gives, bit for bit, but for the sign of a zero: -0.0 stays
+        -0.0 (0.0 + -0.0 is +0.0), as the single-process optimizer sees it in ``param.grad``.
+        """
+        if self._holds_grad[i]:
+            self.grad_views[i].add_(grad)  # into the accumulation dtype (an exact widening, if any)
+        else:
+            self.grad_views[i].copy_(grad)
+            self._holds_grad[i] = True
+
+    def _zero_missing(self, b: int) -> None:
+        """Zero the views of bucket b's tensors that had no gradient this step: they count as zero."""
+        missing = [self.grad_views[i] for i in self.bucket_tensors[b] if not self._holds_grad[i]]
+        if missing:
+            torch._foreach_zero_(missing)
 
     def _release_grad_bucket(self, b: int) -> None:
         self.streams.forget(b)
         self.grad_flat[b] = None
         for i in self.bucket_tensors[b]:
             self.grad_views[i] = None
+            self._holds_grad[i] = False
 
     def item_view(self, item: int) -> torch.Tensor:
         """The low-precision parameter elements of plan item ``item`` (a view into its bucket)."""
@@ -266,12 +310,15 @@ class CanzonaZeroOptimizer(OwnerRuntime):
         return OwnedTensor(index=j, name=self.plan.specs[j].name, master=master,
                            state=rule_for_group(group).init_state(master), group=group, tensor=tensor)
 
-    def _segment_grad(self, j: int) -> torch.Tensor:
-        """The reduced gradient of owned item j inside this rank's segment buffer (shaped like its master)."""
+    def _segment_grad(self, j: int, segments: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The reduced gradient of owned item j inside this rank's segment of its bucket (shaped like its master).
+
+        ``segments``: per bucket, the buffer to read (by default the reduce-scatter's output).
+        """
         b = self.plan.bucket_of[j]
         start = self.layout.item_offset[j] - self.layout.bucket_cuts[b][self.rank]
         numel = self.layout.item_numel[j]
-        segment = self.grad_segment[b][start:start + numel]
+        segment = (self.grad_segment if segments is None else segments)[b][start:start + numel]
         tensor = self.plan.pieces[j][0]
         start, stop = self.layout.piece_range[j]
         whole = start == 0 and stop == self.params[tensor].numel()
@@ -292,7 +339,7 @@ class CanzonaZeroOptimizer(OwnerRuntime):
             # This hook's stream (the gradient's) may not be the one that last wrote the bucket.
             self.streams.use(bucket)
             self._grad_bucket(bucket)
-            self.grad_views[i].add_(param.grad)  # into the accumulation dtype (an exact widening, if any)
+            self._accumulate(i, param.grad)
             param.grad = None
             self._record_arrival(i, bucket)
 
@@ -348,6 +395,8 @@ class CanzonaZeroOptimizer(OwnerRuntime):
 
     def _launch_bucket(self, b: int) -> None:
         flat = self._grad_bucket(b)  # a bucket with no gradient this step still takes part, as zeros
+        self.streams.use(b)  # the zeroing below writes the bucket on the current stream
+        self._zero_missing(b)
         reduction = self.reduction
         # On the reduction stream, after every stream that wrote the bucket (no-op on a synchronised device).
         with self.streams.on_side(b):
@@ -407,12 +456,28 @@ class CanzonaZeroOptimizer(OwnerRuntime):
         return {t.name: self._averaged_grad(t.index) for t in self._owned}
 
     def _averaged_grad(self, i: int) -> torch.Tensor:
+        """Item i's averaged fp32 gradient as a new tensor (the segment stays as reduced)."""
         return self._unscaled(self._segment_grad(i).to(torch.float32, copy=True))
 
     def _step_gradients(self) -> tuple[list[int], list[torch.Tensor]]:
         self._finish_reduction()
         items = self._step_items()
-        return items, [self._averaged_grad(j) for j in items]
+        segments = self._averaged_segments()
+        return items, [self._segment_grad(j, segments) for j in items]
+
+    def _averaged_segments(self) -> list[torch.Tensor]:
+        """This rank's segment of every bucket as averaged fp32 gradients, for the step to consume.
+
+        Per bucket, not per item: one conversion (none when the reduce-scatter already delivered
+        fp32, the segment is then divided in place) and the divisions of ``_unscaled``, each an
+        elementwise operation, so every item's gradient has the bits the per-item copy had. The
+        segments are written again by the next step's reduce-scatters only.
+        """
+        averaged = []
+        for segment in self.grad_segment:
+            fp32 = segment if segment.dtype == torch.float32 else segment.float()
+            averaged.append(self._unscaled(fp32) if fp32.numel() else fp32)
+        return averaged
 
     def _step_items(self) -> list[int]:
         """The plan items whose reduced gradient this rank reads in the step: what it owns."""
@@ -421,13 +486,34 @@ class CanzonaZeroOptimizer(OwnerRuntime):
     def _publish_updates(self) -> None:
         self.refresh_params_from_masters()
 
+    def _update_and_publish(self, grads: list[torch.Tensor]) -> None:
+        """Bucket by bucket: update the owned items of a bucket, round them into its parameters, all-gather it.
+
+        Each bucket's all-gather is issued as soon as this rank has updated what it owns there,
+        so where streams are real it runs (on the side stream) while the next bucket is updated;
+        the compute stream waits for the gathers once, at the end. Buckets go in plan order on
+        every rank, the order the collectives must agree on. Every item's update depends on its
+        own gradient and state only, so the order changes no bits. A subclass that updates more
+        than the owned items (the tensor-parallel runtime's hosted matrices, whose slices land
+        in these buckets after the exchange) keeps the plain order: update all, then gather.
+        """
+        if type(self)._update_owned is not OwnerRuntime._update_owned:
+            super()._update_and_publish(grads)
+            return
+        by_bucket: list[list[tuple[OwnedTensor, torch.Tensor]]] = [[] for _ in self.plan.buckets]
+        for t, g in zip(self._owned, grads):
+            by_bucket[self.plan.bucket_of[t.index]].append((t, g))
+        for b, work in enumerate(by_bucket):
+            self._run_rules(work)
+            self._write_masters([t for t, _ in work])
+            self._gather_bucket(b)
+        self.streams.compute_waits()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         # The step has read the reduced segments; the next reduce-scatters write them again.
         self.streams.side_waits()
-        for b, flat in enumerate(self.grad_flat):
-            if flat is not None:
-                self.streams.use(b)
-                flat.zero_()
+        # Buckets kept between steps (stage 1) are not zeroed: the next gradients are copied in.
+        self._holds_grad = [False] * len(self.params)
         for p in self.params:
             p.grad = None
         self._reset_reduction()
@@ -436,10 +522,22 @@ class CanzonaZeroOptimizer(OwnerRuntime):
     @torch.no_grad()
     def refresh_params_from_masters(self) -> None:
         """Write owned masters into the low-precision params and all-gather every bucket."""
-        for t in self._owned:
-            view = self.item_view(t.index)
-            if t.master is not view:
-                view.copy_(t.master)
+        self._write_masters(self._owned)
         for b in range(len(self.plan.buckets)):
+            self._gather_bucket(b)
+        self.streams.compute_waits()
+
+    def _write_masters(self, owned: list[OwnedTensor]) -> None:
+        """Round the fp32 masters of ``owned`` into their parameter views (nothing for fp32 models: the same memory)."""
+        copies = [(self.item_view(t.index), t.master) for t in owned]
+        copies = [(view, master) for view, master in copies if master is not view]
+        if copies:  # one launch for all of them
+            torch._foreach_copy_([view for view, _ in copies], [master for _, master in copies])
+
+    def _gather_bucket(self, b: int) -> None:
+        """All-gather bucket b's parameters, on the side stream after the compute stream's writes into it."""
+        key = ("params", b)
+        self.streams.use(key)
+        with self.streams.on_side(key):
             all_gather_bucket(self.param_flat[b], self.layout.bucket_cuts[b], self.rank,
                               self.collective_forms.all_gather[b], group=self.dp_process_group, counter=self.comm)
