@@ -264,3 +264,13 @@ def test_padded_launches_once_per_bucket_and_grouped_once_per_rank_at_dp64():
     assert runs["grouped"]["operations"] == {"reduce_scatter": FAKE_WORLD * buckets, "all_gather": FAKE_WORLD * buckets}
     assert runs["grouped"]["counted_calls"] == runs["default"]["counted_calls"] == {"reduce_scatter": buckets,
                                                                                     "all_gather": buckets}
+
+
+def test_bucket_collectives_refuse_an_unknown_form_and_a_short_output():
+    from ds_canzona.zero.comm import CommCounter, all_gather_bucket, reduce_scatter_bucket
+
+    flat, cuts = torch.zeros(6), (0, 1, 6)
+    with pytest.raises(ValueError, match="'grouped' or 'padded'"):
+        all_gather_bucket(flat, cuts, 0, "default", group=None, counter=CommCounter())
+    with pytest.raises(ValueError, match="writes 5 elements"):  # before any collective is issued
+        reduce_scatter_bucket(torch.zeros(1), flat, cuts, "padded", group=None, counter=CommCounter(), async_op=False)

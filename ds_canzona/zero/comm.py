@@ -32,7 +32,7 @@ import torch
 
 import deepspeed.comm as dist
 
-from ds_canzona.plan.collectives import PADDED
+from ds_canzona.plan.collectives import GROUPED, PADDED
 
 __all__ = ["CommCounter", "PlanMismatchError", "all_gather_bucket", "all_reduce_sum", "backend_name",
            "check_digest_agreement", "reduce_scatter_bucket", "segment_views"]
@@ -68,6 +68,11 @@ def segment_views(flat: torch.Tensor, cuts: tuple[int, ...]) -> list[torch.Tenso
     return [flat[cuts[r]:cuts[r + 1]] for r in range(len(cuts) - 1)]
 
 
+def _check_form(form: str) -> None:
+    if form not in (GROUPED, PADDED):
+        raise ValueError(f"a bucket collective is {GROUPED!r} or {PADDED!r}, got {form!r}")
+
+
 def _largest_segment(cuts: tuple[int, ...]) -> int:
     return max(cuts[r + 1] - cuts[r] for r in range(len(cuts) - 1))
 
@@ -99,9 +104,10 @@ def reduce_scatter_bucket(out: torch.Tensor, flat: torch.Tensor, cuts: tuple[int
     Returns (work handle or None, the tensor the collective reads): keep that tensor alive until
     the collective is done (it is ``flat`` itself unless the padded form staged a copy).
     """
+    _check_form(form)
     world = len(cuts) - 1
     element = flat.element_size()
-    if form != PADDED:
+    if form == GROUPED:
         counter.add("reduce_scatter", flat.numel() * element, operations=world)
         return dist.reduce_scatter(out, segment_views(flat, cuts), group=group, async_op=async_op), flat
     largest = _largest_segment(cuts)
@@ -119,6 +125,7 @@ def reduce_scatter_bucket(out: torch.Tensor, flat: torch.Tensor, cuts: tuple[int
 def all_gather_bucket(flat: torch.Tensor, cuts: tuple[int, ...], rank: int, form: str, *, group,
                       counter: CommCounter) -> None:
     """Every rank's segment of ``flat`` is gathered into the same place on all ranks, in place."""
+    _check_form(form)
     world = len(cuts) - 1
     if world == 1:
         return

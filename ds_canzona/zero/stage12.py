@@ -408,7 +408,7 @@ class CanzonaZeroOptimizer(OwnerRuntime):
                                                  self.collective_forms.reduce_scatter[b], group=self.dp_process_group,
                                                  counter=self.comm, async_op=self.partition_gradients)
         if send is not flat and self.partition_gradients:
-            # The copy in the communication dtype carries the gradients now; the reduction stream read the bucket.
+            # The copy (communication dtype, padded) carries the gradients now; the reduction stream read the bucket.
             self.streams.keep_alive(flat)
             self._release_grad_bucket(b)
         if handle is not None:
