@@ -65,6 +65,15 @@ class CanzonaConfig(DeepSpeedConfigModel):
     elementwise), so a huge embedding does not bound the busiest rank. 0 or null: every tensor whole (0 is what
     the planner CLI's --split-numel 0 means too)."""
 
+    collectives: Literal["default", "grouped", "padded"] = "default"
+    """How the data-parallel collectives are launched. ZeRO-3: "grouped" issues each fetch's broadcasts, each
+    gradient bucket's reduces and the post-step refresh of persistent parameters as one grouped launch (one
+    NCCL group; gloo cannot group and runs them one by one); "padded" issues each as one equal-size
+    all_gather_into_tensor / reduce_scatter_tensor, every owner's segment padded to the largest (one launch on
+    every backend, padding bytes extra); both keep parameters below stage3_param_persistence_threshold resident
+    and reduce gradients in buckets of reduce_bucket_size. "default": grouped on backends that are not gloo; on
+    gloo one broadcast per piece and one reduce per item, nothing persistent (what measured best there)."""
+
     max_state_bytes_per_rank: int | None = Field(None, gt=0)
     """Hard cap on the bytes any one rank keeps for the items it owns (fp32 masters, optimizer state, reduced-gradient
     segment; see ds_canzona.plan.memory): the plan buys it with step time if needed, and init fails with the smallest

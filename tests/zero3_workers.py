@@ -97,6 +97,8 @@ def _train_run(rank: int, world_size: int, run: dict) -> dict:
         "calls": list(log.calls) if log is not None else None,
         "n_params": len(zero.params),
         "local_shard_numel": {name: int(p.ds_tensor.numel()) for name, p in zip(zero.names, zero.params)},
+        "collectives": zero.collectives,
+        "persistent": sorted(name for name, p in zip(zero.names, zero.params) if p.ds_persist),
     }
     engine.destroy()
     return result
