@@ -85,7 +85,8 @@ def _engine(case: dict):
     if case["stage"] == 3:
         config["zero_optimization"]["stage3_param_persistence_threshold"] = case.get("persistence_threshold",
                                                                                      STAGE3_PERSISTENCE_THRESHOLD)
-        config["canzona"].update(bucket_numel=STAGE3_BUCKET, collectives=case.get("collectives", "default"))
+        config["zero_optimization"]["reduce_bucket_size"] = STAGE3_BUCKET
+        config["canzona"]["collectives"] = case.get("collectives", "default")
     engine = zero_workers.init_engine(config)
     return engine, lambda step, micro: batches(step, micro, RANK, WORLD), lambda engine, batch: engine(batch)
 

@@ -73,10 +73,10 @@ CASES = {
 # with the norms and biases (24 elements) persistent and the matrices fetched, gradients in buckets
 # of 1000 elements (several items each, the embedding's pieces among them, some alone);
 # "grouped" with DeepSpeed's default persistence threshold (1e5: every tensor of the tiny model
-# persistent, so forward fetches nothing after the first) and the tests' bucket of 4000 elements.
+# persistent, so forward fetches nothing after the first) and bucket (5e8: one per backward).
 FEW_LAUNCHES = {
-    "muon_bf16_ga3_padded_pieces": ({"collectives": "padded", "bucket_numel": 1000},
-                                    {"stage3_param_persistence_threshold": 100}),
+    "muon_bf16_ga3_padded_pieces": ({"collectives": "padded"},
+                                    {"stage3_param_persistence_threshold": 100, "reduce_bucket_size": 1000}),
     "shampoo_fp32_ga1_grouped": ({"collectives": "grouped"}, {}),
 }
 # canzona.split_numel of the "_pieces" cases: the tiny model's embedding and AdamW head (61 x 24 =
@@ -294,8 +294,12 @@ def test_unsupported_stage3_features_are_refused_at_init(spawned):
 # --------------------------------------------------------------------------- checkpoints
 
 SAVE_STEPS, RESUME_STEPS = 3, 2
-# The stage-3 resume's split_numel: other pieces than the save's 100.
+# The stage-3 resume's split_numel: other pieces than the save's 100. It also takes the grouped
+# collectives with DeepSpeed's default persistence threshold, so the load's new values and those of
+# each later step reach the persistent parameters (all of the tiny model's; the LoRA model's
+# adapters and norms) through the refresh after the load and after each step.
 RESUME_SPLIT_NUMEL = 300
+RESUME_CANZONA = {"split_numel": RESUME_SPLIT_NUMEL, "collectives": "grouped"}
 
 
 @pytest.fixture(scope="module")
@@ -328,7 +332,7 @@ def checkpoints(tmp_path_factory, frozen_checkpoints):
     resumed = {
         (stage, ws): run_ranks(checkpoint_resume, ws, make_config(ws, stage=stage, optimizer=muon, canzona=canzona),
                                save_dir, SAVE_STEPS, RESUME_STEPS, frozen_dir if stage == 3 else None, timeout=600)
-        for stage, ws, canzona in ((2, 2, None), (3, 3, {"split_numel": RESUME_SPLIT_NUMEL}))
+        for stage, ws, canzona in ((2, 2, None), (3, 3, RESUME_CANZONA))
     }
     return saved, resumed, export_dir
 
@@ -362,6 +366,7 @@ def test_stage3_checkpoint_loads_at_other_stages_and_sizes_and_training_continue
 
     saved, resumed, export_dir = checkpoints
     results = resumed[(stage, world_size)]
+    assert all(r["collectives"] == ("grouped" if stage == 3 else None) for r in results)
     saved_owned = _joined_pieces({n: s for r in saved for n, s in r["owned"].items()})
     loaded_owned = _joined_pieces({n: s for r in results for n, s in r["owned"].items()})
     assert any(PIECE.match(n) for r in saved for n in r["owned"])

@@ -4,10 +4,14 @@ Every trainable tensor has one owner (``ds_canzona.plan.plan_zero3_owners``: bal
 optimizer step's cost and on memory); a non-matrix tensor above ``canzona.split_numel`` elements
 has one per canonical piece instead (see the end of this docstring). The owner's ZeRO-3 shard is the whole tensor, every other
 rank's is empty (``ds_canzona.zero.owner_placement``); DeepSpeed's parameter coordinator still
-fetches, prefetches and releases parameters around each module, now by a broadcast from the
-owner. In backward each gradient is summed onto its owner only (one ``reduce`` per item), so
+fetches, prefetches and releases parameters around each module, now by broadcasts from the
+owners. In backward each gradient is summed onto its owner only (a ``reduce`` per item), so
 the owner holds the whole averaged gradient and the optimizer step is local: the per-tensor rule
 of ``ds_canzona.optim`` runs on whole tensors and the next forward's fetch carries the result.
+How those collectives are launched is ``canzona.collectives`` (``ds_canzona.zero.stage3_comm``):
+one per piece and item (gloo's default), or grouped / padded into one launch per fetch and per
+gradient bucket of ``reduce_bucket_size`` elements, with DeepSpeed's persistent parameters kept
+resident and refreshed in one fetch after the step.
 
 Numeric contract: given the same averaged gradients, every owned tensor is updated by exactly
 the per-tensor rule the single-process ``ds_canzona.optim`` optimizer runs, on the same fp32
@@ -22,15 +26,17 @@ single-process training on the whole batch.
 Data flow per optimizer step:
 
     forward/backward: DeepSpeed's coordinator fetches each module's parameters before it runs
-               (one broadcast per item from its owner) and releases them after
+               (one broadcast per item from its owner, or one launch per fetch) and releases them
+               after (persistent ones stay)
     backward:  a post-accumulate-grad hook takes each gradient; tensors are reduced to their
                owners (each piece to its own) in one fixed order on every rank (last tensor
-               first, as backward produces them), a few reduces in flight; whatever has not
-               arrived when backward ends is reduced then (a tensor without a gradient counts
-               as zero)
+               first, as backward produces them), a few reduces (or buckets) in flight; whatever
+               has not arrived when backward ends is reduced then (a tensor without a gradient
+               counts as zero)
     step:      the owner's accumulated gradients -> fp32, divided; one all-reduce of per-tensor
                squared norms (overflow + clipping); each rank updates what it owns; the result
-               is written into its shard. No other collective.
+               is written into its shard. No other collective, except one fetch of the
+               persistent parameters (grouped / padded collectives).
 
 Where streams are real (CUDA) the reduces and the owner's accumulation run on a reduction stream
 of this runtime (after the stream each gradient came on; it waits for the collectives itself),
