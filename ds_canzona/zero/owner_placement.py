@@ -50,9 +50,8 @@ from collections.abc import Iterable, Sequence
 import torch
 
 import deepspeed.comm as dist
-from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, free_param
-
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, free_param
 
 from ds_canzona.zero.comm import CommCounter
 from ds_canzona.zero.stage3_comm import GROUPED, PADDED, PER_PIECE, LaunchGroup, PaddedSegments, padded_all_gather
@@ -288,8 +287,9 @@ class OwnerLayout:
         reference = buffers[0]
         flat = torch.empty(layout.numel, dtype=reference.dtype, device=reference.device)
         mine = torch.empty(layout.segment, dtype=reference.dtype, device=reference.device)
+        # This rank's pieces, back to back in fetch order: the order PaddedSegments laid its segment out in.
         used = 0
-        for (_, buffer, start, stop, owner), position in zip(pieces, layout.position):
+        for _, buffer, start, stop, owner in pieces:
             if owner == self.rank:
                 mine[used:used + stop - start].copy_(buffer[start:stop])
                 used += stop - start
