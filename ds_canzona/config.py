@@ -90,7 +90,13 @@ class CanzonaConfig(DeepSpeedConfigModel):
     collectives: Literal["default", "grouped", "padded"] = "default"
     """Form of each bucket's reduce-scatter and all-gather (stages 1/2): the uneven lists (grouped; on NCCL one
     rank-rooted operation per rank), one equal-size collective over segments padded to the bucket's largest (padded),
-    or per bucket whichever the cost model prices lower (default; grouped on gloo). ds_canzona.plan.collectives."""
+    or per bucket whichever the cost model prices lower (default; grouped on gloo). ds_canzona.plan.collectives.
+    ZeRO-3: "grouped" issues each fetch's broadcasts, each gradient bucket's reduces and the post-step refresh of
+    persistent parameters as one grouped launch (one NCCL group; gloo cannot group and runs them one by one);
+    "padded" issues each as one equal-size all_gather_into_tensor / reduce_scatter_tensor, every owner's segment
+    padded to the largest; both keep parameters below stage3_param_persistence_threshold resident and reduce
+    gradients in buckets of reduce_bucket_size. "default" at ZeRO-3: grouped on backends that are not gloo; on
+    gloo one broadcast per piece and one reduce per item, nothing persistent (what measured best there)."""
 
     collective_launch_s: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     """collectives "default" only: one collective operation's latency per hop (s); an operation over P ranks costs

@@ -19,9 +19,11 @@ stand-in, and its hook runs there (``StreamModel.gradient_from``). Stages 2 and 
 ``communication_data_type`` bf16 and a predivide factor (the conversion and division on the
 reduction stream, the converted copy released). The fake backend is not gloo, so the stage-1/2
 buckets take the cost model's form, padded here (staged through padded buffers on the reduction
-stream, an in-place all-gather); one stage-2 case forces the grouped form (the uneven lists). The
-process is rank 0 of the world: at DP=4 it owns some items and not others, so it is both a sender
-and an owner.
+stream, an in-place all-gather); one stage-2 case forces the grouped form (the uneven lists). Stage 3
+runs the collectives a backend other than gloo gets (the fake one included): grouped by default,
+padded in one case, with the small tensors persistent (refreshed on the compute stream after each
+step) and gradient buckets that launch inside backward. The process is rank 0 of the world: at
+DP=4 it owns some items and not others, so it is both a sender and an owner.
 
 The control cases run the same engines with the stream order switched off (``streams_are_real``
 false: the plain waits on the current stream that the runtimes did before they stated any order)
@@ -33,6 +35,8 @@ One spawned process runs every case (about 25 s here); the checker tests run in 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -41,6 +45,11 @@ from distributed import run_ranks
 RANK, WORLD = 0, 4
 STEPS, GA = 2, 2
 NUMERICS = {"communication_data_type": "bf16", "gradient_predivide_factor": 2.0}
+# Stage 3 on the fake backend (not gloo) takes the grouped collectives by default, or the padded
+# ones (ds_canzona.zero.stage3_comm): the norms and biases (24 elements) persistent, the matrices
+# fetched per module, gradients in buckets small enough that several launch inside backward.
+STAGE3_PERSISTENCE_THRESHOLD = 100
+STAGE3_BUCKET = 600
 
 CASES = {
     "stage1": {"stage": 1},
@@ -53,8 +62,11 @@ CASES = {
     "stage3": {"stage": 3},
     "stage3_compile_streams": {"stage": 3, "compile_streams": True},
     "stage3_compile_streams_bf16_communication": {"stage": 3, "compile_streams": True, "config": NUMERICS},
+    "stage3_padded_compile_streams_bf16_communication": {"stage": 3, "compile_streams": True, "config": NUMERICS,
+                                                         "collectives": "padded"},
     "control_stage2_compile_streams": {"stage": 2, "compile_streams": True, "unordered": True},
-    "control_stage3": {"stage": 3, "unordered": True},
+    # Nothing persistent: the small AdamW tensors an owner updates are fetched on DeepSpeed's stream.
+    "control_stage3": {"stage": 3, "unordered": True, "persistence_threshold": 0},
     # Last: DeepSpeed keeps the TP mesh of the first AutoTP engine for the rest of the process.
     "autotp": {"stage": 2, "tp": 2},
     "autotp_compile_streams": {"stage": 2, "tp": 2, "compile_streams": True},
@@ -74,6 +86,11 @@ def _engine(case: dict):
     from tiny_model import batches
     config = zero_workers.make_config(WORLD, stage=case["stage"], gradient_accumulation_steps=GA,
                                       canzona=case.get("canzona"), **case.get("config", {}))
+    if case["stage"] == 3:
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = case.get("persistence_threshold",
+                                                                                     STAGE3_PERSISTENCE_THRESHOLD)
+        config["zero_optimization"]["reduce_bucket_size"] = STAGE3_BUCKET
+        config["canzona"]["collectives"] = case.get("collectives", "default")
     engine = zero_workers.init_engine(config)
     return engine, lambda step, micro: batches(step, micro, RANK, WORLD), lambda engine, batch: engine(batch)
 
@@ -97,12 +114,25 @@ def _hooks_on_side_stream(model, zero) -> list[int]:
     return runs
 
 
+def _stage3_buckets(zero) -> int:
+    """Gradient buckets per backward at stage 3: tensors last first, a bucket closed once it holds the bucket size."""
+    buckets, held = 0, 0
+    for shape in reversed(zero.logical_shapes):
+        held += math.prod(shape)
+        if held >= zero.reduce_bucket_numel:
+            buckets, held = buckets + 1, 0
+    return buckets + (held > 0)
+
+
 def _expected(zero, case: dict) -> dict:
     """What the reduction stream must have issued in the run: one collective per bucket (or item) and reduction.
 
     A bucket's reduce-scatter is ``reduce_scatter`` (grouped: the uneven list) or ``reduce_scatter_tensor`` (padded).
     """
     if case["stage"] == 3:
+        if zero.collectives == "padded":
+            return {"reduce_scatter_tensor": _stage3_buckets(zero) * STEPS * GA}
+        assert zero.collectives == "grouped"
         return {"reduce": len(zero.plan.specs) * STEPS * GA}
     forms = zero.collective_forms.reduce_scatter
     padded = sum(form == "padded" for form in forms)
@@ -256,8 +286,11 @@ def test_runtime_orders_every_collective_and_buffer(runs, name):
     if CASES[name].get("compile_streams"):
         assert run["side_hook_runs"] > 0
     if CASES[name]["stage"] == 3:
-        fetch_streams = {key for key in run["collectives"] if key.startswith("broadcast on stream")}
+        fetch = "all_gather_into_tensor" if CASES[name].get("collectives") == "padded" else "broadcast"
+        fetch_streams = {key for key in run["collectives"] if key.startswith(f"{fetch} on stream")}
         assert fetch_streams, run["collectives"]  # DeepSpeed's all-gather stream fetched the shards
+        # The persistent parameters' refresh after each step, on the compute stream.
+        assert run["collectives"].get(f"{fetch} on default (compute)", 0) >= STEPS, run["collectives"]
 
 
 @pytest.mark.parametrize("name", [name for name, case in CASES.items() if case.get("unordered")])

@@ -60,11 +60,24 @@ CASES = {
         "shampoo_fp32_ga1": ("shampoo", 1, "fp32", "tiny", False, False),
         "soap_bf16_ga3": ("soap", 3, "bf16", "tiny", False, False),
         "muon_bf16_ga3_pieces": ("muon", 3, "bf16", "tiny", False, False),
+        "muon_bf16_ga3_padded_pieces": ("muon", 3, "bf16", "tiny", False, False),
+        "shampoo_fp32_ga1_grouped": ("shampoo", 1, "fp32", "tiny", False, False),
     },
     4: {
         "muon_fp32_ga1": ("muon", 1, "fp32", "tiny", False, False),
         "shampoo_fp32_ga1_pieces": ("shampoo", 1, "fp32", "tiny", False, False),
     },
+}
+# The collectives of the few-launch path (ds_canzona.zero.stage3_comm), which a backend other than
+# gloo gets by default: (canzona section, zero_optimization) of the cases that take it. "padded"
+# with the norms and biases (24 elements) persistent and the matrices fetched, gradients in buckets
+# of 1000 elements (several items each, the embedding's pieces among them, some alone);
+# "grouped" with DeepSpeed's default persistence threshold (1e5: every tensor of the tiny model
+# persistent, so forward fetches nothing after the first) and bucket (5e8: one per backward).
+FEW_LAUNCHES = {
+    "muon_bf16_ga3_padded_pieces": ({"collectives": "padded"},
+                                    {"stage3_param_persistence_threshold": 100, "reduce_bucket_size": 1000}),
+    "shampoo_fp32_ga1_grouped": ({"collectives": "grouped"}, {}),
 }
 # canzona.split_numel of the "_pieces" cases: the tiny model's embedding and AdamW head (61 x 24 =
 # 1464 elements each) become 15 pieces of at most 100, its norms (24 elements) stay whole.
@@ -74,12 +87,16 @@ REFUSED = {
 }
 
 
-def _config(world_size: int, case: tuple, zero: dict | None = None, *, pieces: bool = False) -> dict:
+def _config(world_size: int, case: tuple, zero: dict | None = None, *, pieces: bool = False,
+            name: str = "") -> dict:
     optimizer, ga, dtype, model, _, _ = case
     top = {"gradient_accumulation_steps": ga, "gradient_clipping": CLIP}
     if dtype == "bf16":
         top["bf16"] = {"enabled": True}
-    canzona = {"split_numel": PIECES_SPLIT_NUMEL} if pieces else None
+    canzona = {"split_numel": PIECES_SPLIT_NUMEL} if pieces else {}
+    few_canzona, few_zero = FEW_LAUNCHES.get(name, ({}, {}))
+    canzona.update(few_canzona)
+    zero = {**few_zero, **(zero or {})}
     config = make_config(world_size, stage=3, optimizer=OPTIMIZERS[optimizer], canzona=canzona, **top)
     if model == "wide":
         config["zero_optimization"]["reduce_bucket_size"] = SMALL_BUCKET
@@ -97,7 +114,7 @@ def spawned():
     def get(world_size: int) -> dict[str, list[dict]]:
         if world_size not in cache:
             cases = CASES[world_size]
-            runs = [{"config": _config(world_size, case, pieces=name.endswith("_pieces")), "model": case[3],
+            runs = [{"config": _config(world_size, case, pieces=name.endswith("_pieces"), name=name), "model": case[3],
                      "zero_init": case[4], "log": case[5], "steps": STEPS} for name, case in cases.items()]
             names = list(cases)
             if world_size == 2:
@@ -229,6 +246,21 @@ def test_stage3_equals_single_process_and_plain_torch(spawned, one_thread, world
     _check(name, spawned(world_size)[name], world_size)
 
 
+def test_few_launch_cases_ran_their_collectives_and_kept_small_tensors_resident(spawned):
+    """The cases above that take the few-launch path did: their mode, and DeepSpeed's persistence choice."""
+    results = spawned(3)
+    for name in FEW_LAUNCHES:
+        for r in results[name]:
+            assert r["collectives"] == FEW_LAUNCHES[name][0]["collectives"]
+            numel = {n: p.numel() for n, p in r["params"].items()}
+            threshold = FEW_LAUNCHES[name][1].get("stage3_param_persistence_threshold", 100_000)
+            assert r["persistent"] == sorted(n for n, k in numel.items() if k <= threshold), name
+            assert r["persistent"], name
+    # gloo's default is one collective per piece and item, nothing of the owners' persistent.
+    for r in results["muon_fp32_ga3"]:
+        assert r["collectives"] == "per_piece" and r["persistent"] == []
+
+
 def test_zero_init_model_gets_the_same_plan_and_result_and_large_matrices_get_muon(spawned):
     results = spawned(2)
     normal, zero_init = results["muon_fp32_ga3_wide"], results["muon_fp32_ga3_wide_zero_init"]
@@ -262,8 +294,12 @@ def test_unsupported_stage3_features_are_refused_at_init(spawned):
 # --------------------------------------------------------------------------- checkpoints
 
 SAVE_STEPS, RESUME_STEPS = 3, 2
-# The stage-3 resume's split_numel: other pieces than the save's 100.
+# The stage-3 resume's split_numel: other pieces than the save's 100. It also takes the grouped
+# collectives with DeepSpeed's default persistence threshold, so the load's new values and those of
+# each later step reach the persistent parameters (all of the tiny model's; the LoRA model's
+# adapters and norms) through the refresh after the load and after each step.
 RESUME_SPLIT_NUMEL = 300
+RESUME_CANZONA = {"split_numel": RESUME_SPLIT_NUMEL, "collectives": "grouped"}
 
 
 @pytest.fixture(scope="module")
@@ -296,7 +332,7 @@ def checkpoints(tmp_path_factory, frozen_checkpoints):
     resumed = {
         (stage, ws): run_ranks(checkpoint_resume, ws, make_config(ws, stage=stage, optimizer=muon, canzona=canzona),
                                save_dir, SAVE_STEPS, RESUME_STEPS, frozen_dir if stage == 3 else None, timeout=600)
-        for stage, ws, canzona in ((2, 2, None), (3, 3, {"split_numel": RESUME_SPLIT_NUMEL}))
+        for stage, ws, canzona in ((2, 2, None), (3, 3, RESUME_CANZONA))
     }
     return saved, resumed, export_dir
 
@@ -330,6 +366,7 @@ def test_stage3_checkpoint_loads_at_other_stages_and_sizes_and_training_continue
 
     saved, resumed, export_dir = checkpoints
     results = resumed[(stage, world_size)]
+    assert all(r["collectives"] == ("grouped" if stage == 3 else None) for r in results)
     saved_owned = _joined_pieces({n: s for r in saved for n, s in r["owned"].items()})
     loaded_owned = _joined_pieces({n: s for r in results for n, s in r["owned"].items()})
     assert any(PIECE.match(n) for r in saved for n in r["owned"])

@@ -97,6 +97,8 @@ def _train_run(rank: int, world_size: int, run: dict) -> dict:
         "calls": list(log.calls) if log is not None else None,
         "n_params": len(zero.params),
         "local_shard_numel": {name: int(p.ds_tensor.numel()) for name, p in zip(zero.names, zero.params)},
+        "collectives": zero.collectives,
+        "persistent": sorted(name for name, p in zip(zero.names, zero.params) if p.ds_persist),
     }
     engine.destroy()
     return result
@@ -160,7 +162,7 @@ def checkpoint_resume(rank: int, world_size: int, config: dict, save_dir: str, f
     engine = init_engine(config, model=make_model(seed=5))  # other initial values: the load must replace them
     engine.load_checkpoint(save_dir, tag="saved")
     loaded = {"owned": _owned_snapshot(engine.optimizer), "params": _params_any_stage(engine),
-              "global_steps": engine.global_steps}
+              "global_steps": engine.global_steps, "collectives": getattr(engine.optimizer, "collectives", None)}
     grads = _train_capture(engine, rank, world_size, first, steps)
     result = {**loaded, "grads": grads, "final": _params_any_stage(engine)}
     if frozen_dir is not None:

@@ -389,6 +389,7 @@ def _build_stage3(engine, basic, numerics: dict[str, Any]):
         dp_process_group=engine.seq_data_parallel_group,
         clip_grad=engine.gradient_clipping(),
         offload_kwargs=zero3_offload_kwargs(engine),
+        reduce_bucket_numel=int(engine.zero_reduce_bucket_size()),
         static_loss_scale=engine.loss_scale(),
         dynamic_loss_scale=engine.dynamic_loss_scale(),
         dynamic_loss_args=engine.dynamic_loss_scale_args(),

@@ -14,9 +14,11 @@ sets on every parameter, so the layout can be changed per parameter without touc
 - ``all_gather_coalesced(params, safe_mode=False, quantize=False)`` (the coordinator's fetch and
   prefetch) and ``all_gather(param_list=None, async_op=False, hierarchy=0)`` (``GatheredParameters``,
   ``param.item()``): replaced on every ZeRO-3 parameter of the module by a router that fetches
-  owner-placed parameters by one broadcast per piece from its owner, straight into the full
-  buffer (the owner of a whole tensor uses its shard as the buffer, no copy), and hands the rest
-  to DeepSpeed's original closure of the same parameter;
+  owner-placed parameters from their owners, straight into the full buffer (the owner of a whole
+  tensor uses its shard as the buffer, no copy), and hands the rest to DeepSpeed's original
+  closure of the same parameter. How the pieces travel is the layout's mode
+  (``ds_canzona.zero.stage3_comm``): one broadcast per piece, the same broadcasts as one grouped
+  launch per fetch, or one padded all-gather per fetch;
 - ``partition(param_list=None, hierarchy=0, has_been_updated=False, free_data=True)`` (the
   coordinator's release, ``GatheredParameters`` on exit): an owner-placed parameter frees its
   full buffer on the other ranks; with ``has_been_updated`` (weights written inside
@@ -34,8 +36,11 @@ DeepSpeed 0.19.0-0.19.8 (``partition_parameters.py``) and the runtime run on eac
 A parameter is converted once, at engine start: DeepSpeed's own fetch gathers its even layout,
 each rank keeps the pieces it owns as its new ``ds_tensor`` (the whole tensor on the owner of an
 unsplit one, empty on the other ranks).
-Owner-placed parameters are never persistent (``ds_persist`` false): a persistent copy on every
-rank would need a broadcast after each step, which this layout removes from the step.
+In the per-piece mode owner-placed parameters are never persistent (``ds_persist`` false): a
+persistent copy on every rank needs a fetch after each step, which that mode keeps out of the step.
+The grouped and padded modes keep DeepSpeed's choice (``stage3_param_persistence_threshold``):
+a persistent parameter's full buffer stays on every rank between steps, the coordinator skips it,
+and the runtime refreshes all of them after the step in one fetch.
 """
 
 from __future__ import annotations
@@ -45,10 +50,12 @@ from collections.abc import Iterable, Sequence
 import torch
 
 import deepspeed.comm as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, free_param
 
 from ds_canzona.zero.comm import CommCounter
-from ds_canzona.zero.streams import WriteMark
+from ds_canzona.zero.stage3_comm import GROUPED, PADDED, PER_PIECE, LaunchGroup, PaddedSegments, padded_all_gather
+from ds_canzona.zero.streams import WriteMark, streams_are_real
 
 # On an owner-placed parameter: its pieces ((start, stop, owner rank in the data-parallel group), ...)
 # in element order; a tensor owned whole is one piece.
@@ -74,11 +81,16 @@ def _whole_here(param, rank: int) -> bool:
 
 
 class OwnerFetchHandle:
-    """The coordinator's handle for a fetch from owners: ``wait`` finishes the broadcasts."""
+    """The coordinator's handle for a fetch from owners: ``wait`` finishes the collectives.
 
-    def __init__(self, params: list, works: list) -> None:
+    ``copy_out`` (the padded mode) copies the received pieces out of the flat buffer into the
+    parameters' full buffers and drops the flat buffer, so nothing keeps it alive after ``wait``.
+    """
+
+    def __init__(self, params: list, works: list, copy_out=None) -> None:
         self._params = params
         self._works = works
+        self._copy_out = copy_out
         self._complete = False
 
     def wait(self, **kwargs) -> None:
@@ -86,6 +98,9 @@ class OwnerFetchHandle:
             return
         for work in self._works:
             work.wait()
+        if self._copy_out is not None:
+            self._copy_out()
+            self._copy_out = None
         for param in self._params:
             param.ds_status = ZeroParamStatus.AVAILABLE
         self._complete = True
@@ -105,8 +120,11 @@ class _BothHandles:
 class OwnerLayout:
     """Fetch, release and sizes of owner-placed parameters over one data-parallel group."""
 
-    def __init__(self, *, group, counter: CommCounter) -> None:
+    def __init__(self, *, group, counter: CommCounter, mode: str = PER_PIECE) -> None:
+        if mode not in (PER_PIECE, GROUPED, PADDED):
+            raise ValueError(f"unknown ZeRO-3 fetch mode {mode!r}")
         self.group = group
+        self.mode = mode
         self.rank = dist.get_rank(group=group)
         self.world_size = dist.get_world_size(group=group)
         self.counter = counter
@@ -121,10 +139,13 @@ class OwnerLayout:
 
     # ------------------------------------------------------------------ conversion
     @torch.no_grad()
-    def place(self, params: Sequence, pieces: Sequence[Sequence[tuple[int, int, int]]]) -> None:
+    def place(self, params: Sequence, pieces: Sequence[Sequence[tuple[int, int, int]]], *,
+              keep_persistent: bool = False) -> None:
         """Move ZeRO-3 parameters from DeepSpeed's even layout to their owners (collective, at start-up).
 
         ``pieces[i]`` is parameter i's ``((start, stop, owner), ...)`` over its flattened elements.
+        ``keep_persistent``: a parameter DeepSpeed marked persistent stays so (it is released here
+        like the others; the first fetch brings it back and nothing releases it before the step).
         """
         for param, layout_pieces in zip(params, pieces):
             if param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
@@ -148,7 +169,7 @@ class OwnerLayout:
             param.ds_numel_aligned = param.ds_numel
             setattr(param, PIECES_ATTR, tuple((int(a), int(b), int(o)) for a, b, o in layout_pieces))
             setattr(param, LOCAL_PIECES_ATTR, tuple(local))
-            param.ds_persist = False
+            param.ds_persist = bool(keep_persistent and getattr(param, "ds_persist", False))
             param.ds_active_sub_modules.clear()
             free_param(param)
             param.ds_status = ZeroParamStatus.NOT_AVAILABLE
@@ -217,32 +238,76 @@ class OwnerLayout:
 
     # ------------------------------------------------------------------ fetch and release
     def fetch(self, params: list) -> OwnerFetchHandle:
-        """Start one broadcast per piece from its owner into the full buffer (asynchronous)."""
+        """Start fetching the parameters' pieces from their owners into full buffers (asynchronous)."""
         params = sorted(params, key=lambda p: p.ds_id)  # the same order on every rank
-        works = []
         # This runs on the stream that is current here (DeepSpeed's all-gather stream for the
         # coordinator's fetches); the owners wrote their shards on the compute stream.
         self._shard_writes.wait()
-        for param in params:
-            if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
-                raise RuntimeError(f"ds_canzona: fetching a ZeRO-3 parameter that is not released: {param.ds_summary()}")
-            param.ds_status = ZeroParamStatus.INFLIGHT
-            shard = param.ds_tensor
-            if _whole_here(param, self.rank):
-                buffer = shard
-            else:
-                buffer = torch.empty(param.ds_numel, dtype=shard.dtype, device=shard.device)
-                for start, stop, offset in getattr(param, LOCAL_PIECES_ATTR):
-                    buffer[start:stop].copy_(shard[offset:offset + stop - start])
-            param.data = buffer.view(param.ds_shape)
-            if self.world_size == 1:
-                continue
-            for start, stop, owner in getattr(param, PIECES_ATTR):
-                piece = buffer[start:stop]
-                self.counter.add("broadcast", piece.numel() * piece.element_size())
-                works.append(dist.broadcast(piece, src=dist.get_global_rank(self.group, owner), group=self.group,
-                                            async_op=True))
-        return OwnerFetchHandle(params, works)
+        if not params:
+            return OwnerFetchHandle([], [])
+        buffers = [self._full_buffer(param) for param in params]
+        if self.world_size == 1:
+            return OwnerFetchHandle(params, [])
+        if self.mode == PADDED:
+            return self._fetch_padded(params, buffers)
+        sends = [(buffer[start:stop], owner) for param, buffer in zip(params, buffers)
+                 for start, stop, owner in getattr(param, PIECES_ATTR)]
+        if self.mode == PER_PIECE:
+            works = [self._broadcast(piece, owner) for piece, owner in sends]
+            return OwnerFetchHandle(params, works)
+        with LaunchGroup(group=self.group, device=buffers[0].device) as launch:
+            for piece, owner in sends:
+                launch.add(self._broadcast(piece, owner))
+        return OwnerFetchHandle(params, launch.works)
+
+    def _full_buffer(self, param) -> torch.Tensor:
+        """Mark the parameter in flight and give it its full buffer, holding this rank's own pieces already."""
+        if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+            raise RuntimeError(f"ds_canzona: fetching a ZeRO-3 parameter that is not released: {param.ds_summary()}")
+        param.ds_status = ZeroParamStatus.INFLIGHT
+        shard = param.ds_tensor
+        if _whole_here(param, self.rank):
+            buffer = shard
+        else:
+            buffer = torch.empty(param.ds_numel, dtype=shard.dtype, device=shard.device)
+            for start, stop, offset in getattr(param, LOCAL_PIECES_ATTR):
+                buffer[start:stop].copy_(shard[offset:offset + stop - start])
+        param.data = buffer.view(param.ds_shape)
+        return buffer
+
+    def _broadcast(self, piece: torch.Tensor, owner: int):
+        self.counter.add("broadcast", piece.numel() * piece.element_size())
+        return dist.broadcast(piece, src=dist.get_global_rank(self.group, owner), group=self.group, async_op=True)
+
+    def _fetch_padded(self, params: list, buffers: list[torch.Tensor]) -> OwnerFetchHandle:
+        """One all-gather of every rank's pieces, laid out owner segment by owner segment and padded."""
+        pieces = [(param, buffer, start, stop, owner) for param, buffer in zip(params, buffers)
+                  for start, stop, owner in getattr(param, PIECES_ATTR)]
+        layout = PaddedSegments([(stop - start, owner) for _, _, start, stop, owner in pieces], self.world_size)
+        reference = buffers[0]
+        flat = torch.empty(layout.numel, dtype=reference.dtype, device=reference.device)
+        mine = torch.empty(layout.segment, dtype=reference.dtype, device=reference.device)
+        # This rank's pieces, back to back in fetch order: the order PaddedSegments laid its segment out in.
+        used = 0
+        for _, buffer, start, stop, owner in pieces:
+            if owner == self.rank:
+                mine[used:used + stop - start].copy_(buffer[start:stop])
+                used += stop - start
+        if used < layout.segment:
+            mine[used:].zero_()
+        self.counter.add("all_gather_into_tensor", mine.numel() * mine.element_size())
+        work = padded_all_gather(flat, mine, group=self.group)
+
+        def copy_out() -> None:
+            for (_, buffer, start, stop, owner), position in zip(pieces, layout.position):
+                if owner != self.rank:
+                    buffer[start:stop].copy_(flat[position:position + stop - start])
+            if streams_are_real():
+                # Allocated on the fetch's stream, last read here: not reused before this read.
+                flat.record_stream(get_accelerator().current_stream())
+                mine.record_stream(get_accelerator().current_stream())
+
+        return OwnerFetchHandle(params, [work], copy_out)
 
     @torch.no_grad()
     def release(self, param, *, has_been_updated: bool, free_data: bool) -> None:

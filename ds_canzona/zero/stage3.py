@@ -4,10 +4,14 @@ Every trainable tensor has one owner (``ds_canzona.plan.plan_zero3_owners``: bal
 optimizer step's cost and on memory); a non-matrix tensor above ``canzona.split_numel`` elements
 has one per canonical piece instead (see the end of this docstring). The owner's ZeRO-3 shard is the whole tensor, every other
 rank's is empty (``ds_canzona.zero.owner_placement``); DeepSpeed's parameter coordinator still
-fetches, prefetches and releases parameters around each module, now by a broadcast from the
-owner. In backward each gradient is summed onto its owner only (one ``reduce`` per item), so
+fetches, prefetches and releases parameters around each module, now by broadcasts from the
+owners. In backward each gradient is summed onto its owner only (a ``reduce`` per item), so
 the owner holds the whole averaged gradient and the optimizer step is local: the per-tensor rule
 of ``ds_canzona.optim`` runs on whole tensors and the next forward's fetch carries the result.
+How those collectives are launched is ``canzona.collectives`` (``ds_canzona.zero.stage3_comm``):
+one per piece and item (gloo's default), or grouped / padded into one launch per fetch and per
+gradient bucket of ``reduce_bucket_size`` elements, with DeepSpeed's persistent parameters kept
+resident and refreshed in one fetch after the step.
 
 Numeric contract: given the same averaged gradients, every owned tensor is updated by exactly
 the per-tensor rule the single-process ``ds_canzona.optim`` optimizer runs, on the same fp32
@@ -22,15 +26,17 @@ single-process training on the whole batch.
 Data flow per optimizer step:
 
     forward/backward: DeepSpeed's coordinator fetches each module's parameters before it runs
-               (one broadcast per item from its owner) and releases them after
+               (one broadcast per item from its owner, or one launch per fetch) and releases them
+               after (persistent ones stay)
     backward:  a post-accumulate-grad hook takes each gradient; tensors are reduced to their
                owners (each piece to its own) in one fixed order on every rank (last tensor
-               first, as backward produces them), a few reduces in flight; whatever has not
-               arrived when backward ends is reduced then (a tensor without a gradient counts
-               as zero)
+               first, as backward produces them), a few reduces (or buckets) in flight; whatever
+               has not arrived when backward ends is reduced then (a tensor without a gradient
+               counts as zero)
     step:      the owner's accumulated gradients -> fp32, divided; one all-reduce of per-tensor
                squared norms (overflow + clipping); each rank updates what it owns; the result
-               is written into its shard. No other collective.
+               is written into its shard. No other collective, except one fetch of the
+               persistent parameters (grouped / padded collectives).
 
 Where streams are real (CUDA) the reduces and the owner's accumulation run on a reduction stream
 of this runtime (after the stream each gradient came on; it waits for the collectives itself),
@@ -54,6 +60,7 @@ import torch
 
 import deepspeed.comm as dist
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.utils.torch import register_grad_hook
 
 from ds_canzona.config import CanzonaConfig
@@ -64,12 +71,26 @@ from ds_canzona.zero.comm import check_digest_agreement
 from ds_canzona.zero.owned import GradientAfterReductionError, OwnedTensor
 from ds_canzona.zero.owner_placement import LOCAL_PIECES_ATTR, OwnerLayout
 from ds_canzona.zero.owner_runtime import OwnerRuntime
+from ds_canzona.zero.stage3_comm import GROUPED, PER_PIECE, LaunchGroup, PaddedSegments, padded_reduce_scatter, \
+    zero3_collectives
 from ds_canzona.zero.streams import StreamOrder
 
 # Reduces launched and not yet waited on during backward; each holds one tensor's gradient. Where
 # streams are real (CUDA) the wait is queued on the reduction stream, not on the host or the
 # compute stream (``ds_canzona.zero.streams``).
 REDUCES_IN_FLIGHT = 4
+# The same for gradient buckets (grouped and padded collectives): each holds up to
+# reduce_bucket_size elements of gradients (and, padded, its flat buffers).
+BUCKETS_IN_FLIGHT = 2
+
+
+class _Reduction:
+    """One launch of the gradient reduce in flight: its works, what this rank receives, what it read."""
+
+    def __init__(self, works: list, received: list[tuple[int, torch.Tensor]], used: list[torch.Tensor]) -> None:
+        self.works = works
+        self.received = received  # (item, its summed values on this rank: meaningful on the item's owner)
+        self.used = used  # buffers the collective or the reduction stream used, kept alive until it passed
 
 
 class CanzonaZero3Optimizer(OwnerRuntime):
@@ -86,7 +107,7 @@ class CanzonaZero3Optimizer(OwnerRuntime):
                  static_loss_scale: float = 1.0, dynamic_loss_scale: bool = False, dynamic_loss_args=None,
                  grad_accum_dtype: torch.dtype | None = None, communication_dtype: torch.dtype | None = None,
                  gradient_predivide_factor: float = 1.0, postscale_gradients: bool = True,
-                 gradient_average: bool = True):
+                 gradient_average: bool = True, reduce_bucket_numel: int | None = None):
         super().__init__(optimizer, param_names=param_names, config=config, stage=3,
                          dp_process_group=dp_process_group, clip_grad=clip_grad, grad_accum_dtype=grad_accum_dtype,
                          communication_dtype=communication_dtype, gradient_predivide_factor=gradient_predivide_factor,
@@ -104,16 +125,25 @@ class CanzonaZero3Optimizer(OwnerRuntime):
         # then fetches and releases around each module. The owner layout replaces the layout of
         # the trainable parameters underneath it.
         self.parameter_offload = DeepSpeedZeRoOffload(module, dp_process_group=dp_process_group, **offload_kwargs)
-        self.layout = OwnerLayout(group=dp_process_group, counter=self.comm)
+        # Per piece, grouped or padded (ds_canzona.zero.stage3_comm); the last two keep DeepSpeed's
+        # persistent parameters resident and reduce gradients in buckets.
+        self.collectives = zero3_collectives(config.collectives, dp_process_group)
+        self.reduce_bucket_numel = int(reduce_bucket_numel or 0)
+        if self.collectives != PER_PIECE and self.reduce_bucket_numel <= 0:
+            raise ValueError(f"ds_canzona: ZeRO-3 with {self.collectives} collectives needs a reduce bucket size > 0, "
+                             f"got {reduce_bucket_numel!r}")
+        self.layout = OwnerLayout(group=dp_process_group, counter=self.comm, mode=self.collectives)
         self.layout.install(module.parameters())
         self._tensor_items = self.plan.tensor_items()
         layout_pieces: list[list[tuple[int, int, int]]] = [[] for _ in self.params]
         for item, (tensor, start, stop) in enumerate(self.plan.pieces):
             layout_pieces[tensor].append((start, stop, self.plan.owner[item]))
-        self.layout.place(self.params, layout_pieces)
-        placed = set(map(id, self.params))
-        self.parameter_offload.persistent_parameters[:] = [
-            p for p in self.parameter_offload.persistent_parameters if id(p) not in placed]
+        keep_persistent = self.collectives != PER_PIECE
+        self.layout.place(self.params, layout_pieces, keep_persistent=keep_persistent)
+        if not keep_persistent:
+            placed = set(map(id, self.params))
+            self.parameter_offload.persistent_parameters[:] = [
+                p for p in self.parameter_offload.persistent_parameters if id(p) not in placed]
 
         self._owned = self._build_owned_state()
         # Where streams are real, the reduces and the owner's accumulation run on a reduction stream.
@@ -122,7 +152,10 @@ class CanzonaZero3Optimizer(OwnerRuntime):
         self._local: list[torch.Tensor | None] = [None] * len(self.params)  # this backward, not yet sent
         self._arrivals = [0] * len(self.params)
         self.early_launch = True
-        self._inflight: list = []
+        self._inflight: list[_Reduction] = []
+        # Grouped and padded collectives: gradients converted and waiting for their bucket's launch.
+        self._bucket: list[tuple[int, torch.Tensor]] = []
+        self._bucket_numel = 0
         self._next = len(self.params) - 1
         self._hook_handles = [register_grad_hook(p, self._make_grad_hook(i)) for i, p in enumerate(self.params)]
 
@@ -201,7 +234,7 @@ class CanzonaZero3Optimizer(OwnerRuntime):
             self._next -= 1
 
     def _launch(self, i: int) -> None:
-        """Reduce tensor i's gradient of this backward to its owner: one reduce per item."""
+        """Send tensor i's gradient of this backward towards its owner(s): at once per item, or into the bucket."""
         reduction = self.reduction
         grad = self._local[i]
         self._local[i] = None
@@ -213,31 +246,85 @@ class CanzonaZero3Optimizer(OwnerRuntime):
             if reduction.pre_divide != 1.0:
                 send = send / reduction.pre_divide if send is grad else send.div_(reduction.pre_divide)
             flat = send.reshape(-1)
-            for item in self._tensor_items[i]:
-                _, start, stop = self.plan.pieces[item]
-                piece = flat[start:stop]
-                owner = self.plan.owner[item]
-                self.comm.add("reduce", piece.numel() * piece.element_size())
-                work = dist.reduce(piece, dst=dist.get_global_rank(self.dp_process_group, owner),
-                                   group=self.dp_process_group, async_op=True)
-                self._inflight.append((item, work, piece))
+            if self.collectives == PER_PIECE:  # one reduce per item
+                for item in self._tensor_items[i]:
+                    piece = self._item_piece(flat, item)
+                    work = self._reduce(piece, item)
+                    self._inflight.append(_Reduction([work], [(item, piece)], [piece]))
         self.streams.forget(i)
         if send is not grad:
             self.streams.keep_alive(grad)  # read by the reduction stream; the pieces in flight hold the copy
-        while len(self._inflight) > REDUCES_IN_FLIGHT:
+        if self.collectives == PER_PIECE:
+            self._limit_in_flight(REDUCES_IN_FLIGHT)
+            return
+        # Buckets close in the one fixed order of tensors, at the same sizes on every rank.
+        self._bucket.append((i, flat))
+        self._bucket_numel += flat.numel()
+        if self._bucket_numel >= self.reduce_bucket_numel:
+            self._launch_bucket()
+
+    def _item_piece(self, flat: torch.Tensor, item: int) -> torch.Tensor:
+        _, start, stop = self.plan.pieces[item]
+        return flat[start:stop]
+
+    def _reduce(self, piece: torch.Tensor, item: int):
+        self.comm.add("reduce", piece.numel() * piece.element_size())
+        owner = dist.get_global_rank(self.dp_process_group, self.plan.owner[item])
+        return dist.reduce(piece, dst=owner, group=self.dp_process_group, async_op=True)
+
+    def _launch_bucket(self) -> None:
+        """Reduce the bucket's items to their owners in one launch: grouped reduces, or one padded reduce-scatter."""
+        if not self._bucket:
+            return
+        bucket, self._bucket, self._bucket_numel = self._bucket, [], 0
+        pieces = [(item, self._item_piece(flat, item)) for i, flat in bucket for item in self._tensor_items[i]]
+        with self.streams.on_side():
+            if self.collectives == GROUPED:
+                with LaunchGroup(group=self.dp_process_group, device=self.device) as launch:
+                    for item, piece in pieces:
+                        launch.add(self._reduce(piece, item))
+                reduction = _Reduction(launch.works, pieces, [piece for _, piece in pieces])
+            else:
+                reduction = self._reduce_scatter_padded(pieces)
+        self._inflight.append(reduction)
+        self._limit_in_flight(BUCKETS_IN_FLIGHT)
+
+    def _reduce_scatter_padded(self, pieces: list[tuple[int, torch.Tensor]]) -> _Reduction:
+        """One reduce-scatter of the bucket, each owner's items back to back in its segment, padded to the longest."""
+        layout = PaddedSegments([(piece.numel(), self.plan.owner[item]) for item, piece in pieces], self.world_size)
+        dtype = self.reduction.communicate_dtype
+        flat = torch.empty(layout.numel, dtype=dtype, device=self.device)
+        layout.zero_padding(flat)
+        received = []
+        segment_start = self.rank * layout.segment
+        out = torch.empty(layout.segment, dtype=dtype, device=self.device)
+        for (item, piece), position in zip(pieces, layout.position):
+            flat[position:position + piece.numel()].copy_(piece)
+            if self.plan.owner[item] == self.rank:
+                offset = position - segment_start
+                received.append((item, out[offset:offset + piece.numel()]))
+        self.comm.add("reduce_scatter_tensor", flat.numel() * flat.element_size())
+        work = padded_reduce_scatter(out, flat, group=self.dp_process_group)
+        return _Reduction([work], received, [flat, out] + [piece for _, piece in pieces])
+
+    def _limit_in_flight(self, limit: int) -> None:
+        while len(self._inflight) > limit:
             self._complete_oldest()
 
     def _complete_oldest(self) -> None:
-        item, work, send = self._inflight.pop(0)
-        self.streams.wait(work)  # on the reduction stream where streams are real: never the compute stream's wait
-        if self.plan.owner[item] == self.rank:
-            # The owner's accumulator lives on the reduction stream until the step.
+        reduction = self._inflight.pop(0)
+        for work in reduction.works:
+            self.streams.wait(work)  # on the reduction stream where streams are real: never the compute stream's wait
+        mine = [(item, summed) for item, summed in reduction.received if self.plan.owner[item] == self.rank]
+        if mine:
+            # The owner's accumulators live on the reduction stream until the step.
             with self.streams.on_side():
-                if self._accumulated[item] is None:
-                    self._accumulated[item] = send.to(self.reduction.accumulate_dtype, copy=True)
-                else:
-                    self._accumulated[item].add_(send)
-        self.streams.keep_alive(send)
+                for item, summed in mine:
+                    if self._accumulated[item] is None:
+                        self._accumulated[item] = summed.to(self.reduction.accumulate_dtype, copy=True)
+                    else:
+                        self._accumulated[item].add_(summed)
+        self.streams.keep_alive(*reduction.used)
 
     def _wait_reductions(self) -> None:
         """Every reduce in flight completed (where streams are real: queued on the reduction stream)."""
@@ -256,6 +343,7 @@ class CanzonaZero3Optimizer(OwnerRuntime):
         backward, whatever gradients it saw.
         """
         self._launch_ready(all_remaining=True)
+        self._launch_bucket()
         self._wait_reductions()
         self._next = len(self.params) - 1
         self._arrivals = [0] * len(self.params)
@@ -291,11 +379,26 @@ class CanzonaZero3Optimizer(OwnerRuntime):
 
     def _publish_updates(self) -> None:
         self.write_masters_to_shards()
+        self._fetch_persistent()
 
     def refresh_params_from_masters(self) -> None:
         """After masters were written (a checkpoint load): release every fetched copy, update the shards."""
         self.parameter_offload.partition_all_parameters()
         self.write_masters_to_shards()
+        self._fetch_persistent()
+
+    def _fetch_persistent(self) -> None:
+        """The persistent parameters' new values to every rank, in one fetch (as DeepSpeed's stage 3 after its step).
+
+        The per-piece mode keeps none persistent: the coordinator fetches frozen persistent ones
+        when a module next needs them, as before.
+        """
+        if self.collectives == PER_PIECE:
+            return
+        released = [p for p in self.parameter_offload.persistent_parameters
+                    if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+        if released:
+            released[0].all_gather(released)
 
     @torch.no_grad()
     def write_masters_to_shards(self) -> None:
