@@ -146,3 +146,41 @@ def local_api(trained: dict) -> dict:
 
 def safe_keys(param) -> list[str]:
     return param._z3_optimizer.state_keys(param._z3_optimizer.index_of[id(param)])
+
+
+
+def tp_fragment_checks(engine) -> dict:
+    """AutoTP, after the fed run of tests/tp_workers.py: the API on this rank's TP slices.
+
+    Reads every full value (it must be this rank's slice as the parameter holds it), sets fresh
+    values and state (the same on both DP ranks of a TP rank) and reads them back, then steps with
+    every learning rate 0: the published parameters must then be the set values, which for a
+    sharded matrix means the set reached its host's whole master (the step recomputes the slices
+    from it and sends them back).
+    """
+    from deepspeed.utils import groups
+    from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param,
+                                 safe_set_full_optimizer_state)
+
+    api = engine.optimizer.fragments
+    trained = {n: p for n, p in engine.module.named_parameters() if p.requires_grad}
+    keys = {n: api.state_keys(api.index_of[id(p)]) for n, p in trained.items()}
+    result = {"full_equals_local": {n: torch.equal(safe_get_full_fp32_param(p), p.detach().float())
+                                    for n, p in trained.items()}}
+    g = torch.Generator().manual_seed(100 + groups.get_tensor_model_parallel_rank())
+    values = {n: {k: torch.rand(p.shape, generator=g) for k in [None] + keys[n]} for n, p in trained.items()}
+    for n, p in trained.items():
+        safe_set_full_fp32_param(p, values[n][None])
+        for k in keys[n]:
+            safe_set_full_optimizer_state(p, values[n][k], k)
+    result["read_back"] = {n: all(torch.equal(safe_get_full_fp32_param(p) if k is None
+                                              else safe_get_full_optimizer_state(p, k), values[n][k])
+                                  for k in [None] + keys[n]) for n, p in trained.items()}
+    zero = engine.optimizer
+    result["hosted"] = sorted(zero.names[zero.plan.pieces[j][0]] for j in zero._tp_items)
+    for group in zero.param_groups:
+        group["lr"] = 0.0
+    engine.backward(sum((p * torch.ones_like(p)).sum() for p in trained.values()))
+    engine.step()
+    result["after_zero_lr_step"] = {n: torch.equal(p.detach().float(), values[n][None]) for n, p in trained.items()}
+    return result
