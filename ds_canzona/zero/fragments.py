@@ -17,14 +17,14 @@ run unpatched and answer from the owners:
   owner keeps its items' part, no collective.
 - Setting a parameter writes the owner's fp32 master and also the low-precision parameter
   (stage 1/2: every rank writes the value it was given into its copy; stage 3: the owner into its
-  shard, which the next fetch broadcasts), so a forward between the set and the step sees the
-  new value on every rank alike. DeepSpeed writes only the master and refreshes the parameter at
-  the next step; the step's result is the same.
+  shard, which the next fetch broadcasts), so the next forward sees the new value on every rank
+  alike, as after setting a parameter in plain torch. DeepSpeed writes only the master, so its
+  next forward still sees the old parameter (until the next step copies the master into it).
 - Gradients, as DeepSpeed's ZeRO optimizers give them: the averaged gradient over the
   data-parallel group, before clipping, still multiplied by the loss scale (fp16; 1 otherwise),
   in fp32. At stage 1/2 they exist between the boundary micro-batch's backward and
-  ``engine.step()`` (DeepSpeed's rule; other times raise); at stage 3 it is what has been reduced
-  to the owner since the last step (zeros right after one). A set gradient is the step's gradient
+  ``engine.step()`` (DeepSpeed's rule; other times ``ValueError``, as DeepSpeed raises); at
+  stage 3 it is what has been reduced to the owner since the last step (zeros right after one). A set gradient is the step's gradient
   of that tensor (divided by the loss scale there), kept exactly in fp32; call it after the
   boundary backward.
 - Optimizer state: the per-element state tensors of the tensor's rule by the rule's names (AdamW:
@@ -308,7 +308,8 @@ class FragmentAPI:
 
     def _check_gradients_available(self, tensor: int) -> None:
         if not self.zero3 and self.runtime._next_bucket >= 0:
-            raise RuntimeError(f"ds_canzona: the gradient of {self.runtime.names[tensor]!r} is available only between "
+            # ValueError, as DeepSpeed's ZeRO-1/2 raises for the same call.
+            raise ValueError(f"ds_canzona: the gradient of {self.runtime.names[tensor]!r} is available only between "
                                "the backward of a gradient accumulation boundary and engine.step() (as with DeepSpeed's "
                                "ZeRO-1/2): it has not been reduced yet")
 
