@@ -48,6 +48,7 @@ def fresh_values(params: dict, keys: dict, seed: int) -> dict:
 
 
 def fragment_case(rank: int, world_size: int, stage: int, precision: dict | None = None) -> dict:
+    import deepspeed
     from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
                                  safe_set_full_fp32_param, safe_set_full_grad, safe_set_full_optimizer_state)
 
@@ -89,8 +90,9 @@ def fragment_case(rank: int, world_size: int, stage: int, precision: dict | None
             safe_set_full_optimizer_state(p, values[n][k], k)
     out["set"] = values
     out["read_back"] = full_state()
-    # What a forward sees now on this rank (stage 1/2: the parameter itself; stage 3: fetched by a forward).
-    out["params_after_set"] = {n: p.detach().float().clone() for n, p in trained.items()} if stage < 3 else None
+    # What the next forward sees on this rank (stage 1/2: the parameter itself; stage 3: fetched from the owners).
+    with deepspeed.zero.GatheredParameters(list(trained.values()), enabled=stage == 3):
+        out["params_after_set"] = {n: p.detach().float().clone() for n, p in trained.items()}
 
     backward(1)
     out["grads1"] = {n: safe_get_full_grad(p) for n, p in trained.items()}

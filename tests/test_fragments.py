@@ -1,7 +1,7 @@
 """DeepSpeed's tensor-fragment API (deepspeed.utils.safe_get_full_* / safe_set_full_* / local) on ds_canzona.
 
 DeepSpeed's tests/unit/runtime/zero/test_zero_tensor_fragment.py, ported to our runtimes at
-ZeRO-1, 2 and 3 on one spawn of two gloo ranks (fp32, Muon with AdamW for the rest, the embedding
+ZeRO-1, 2 and 3 (fp32; and bf16 at stage 3) on one spawn of two gloo ranks (Muon with AdamW for the rest, the embedding
 and the head owned in pieces, one frozen parameter; tests/fragment_workers.py says what each rank
 does). Everything is compared bit for bit:
 
@@ -29,25 +29,30 @@ from test_zero3 import _bound, _outside
 
 WORLD = 2
 STAGES = (1, 2, 3)
+# bf16 at stage 3: the fp32 masters are apart from the shards there (at fp32 the master is the
+# shard), so a set value must be written into the shard as well.
+CASES = [(stage, "fp32") for stage in STAGES] + [(3, "bf16")]
+PRECISION = {"fp32": {}, "bf16": {"bf16": {"enabled": True}}}
 CLIP = 1.0  # zero_workers.BASE_CONFIG's gradient_clipping
 
 
 def fragment_cases(rank: int, world_size: int) -> list[dict]:
-    return [fragment_case(rank, world_size, stage) for stage in STAGES]
+    return [fragment_case(rank, world_size, stage, PRECISION[dtype]) for stage, dtype in CASES]
 
 
 @pytest.fixture(scope="module")
 def results():
     per_rank = run_ranks(fragment_cases, WORLD, timeout=900)
-    return {stage: [per_rank[r][i] for r in range(WORLD)] for i, stage in enumerate(STAGES)}
+    return {case: [per_rank[r][i] for r in range(WORLD)] for i, case in enumerate(CASES)}
 
 
-def check_gradients(ranks: list[dict], step: int, model: torch.nn.Module, stage: int) -> None:
+def check_gradients(ranks: list[dict], step: int, model: torch.nn.Module, stage: int, dtype: str = "fp32") -> None:
     """Every rank's full gradients equal the runtime's own (bit for bit) and plain torch's mean of the ranks'.
 
-    Plain torch: bit for bit at stage 1/2 (the same operations); at stage 3 DeepSpeed's backward
-    through its fetched parameters may round differently, so there within tests/test_zero3.py's
-    bound for the same two-rank mean.
+    Plain torch (fp32): bit for bit at stage 1/2 (the same operations); at stage 3 DeepSpeed's
+    backward through its fetched parameters may round differently, so there within
+    tests/test_zero3.py's bound for the same two-rank mean. bf16: the runtime's own only (its
+    bf16 gradients against plain torch are tests/test_zero3_features.py's).
     """
     per_rank = [rank_gradients(model, step=step, rank=r, world_size=WORLD, ga=1) for r in range(WORLD)]
     owned = {}
@@ -56,6 +61,8 @@ def check_gradients(ranks: list[dict], step: int, model: torch.nn.Module, stage:
     owned = whole_grads(owned, {n: g.shape for n, g in per_rank[0].items()})
     for r in ranks:
         assert_equal(r[f"grads{step}"], owned, f"stage {stage} step {step}: full gradients against the runtime's own")
+    if dtype != "fp32":
+        return
     if stage < 3:
         assert_equal(owned, mean_gradient(per_rank, divide_by=WORLD), f"stage {stage} step {step}: against plain torch")
     else:
@@ -84,14 +91,15 @@ def assert_state_equal(got: dict, want: dict, what: str) -> None:
         assert not different, f"{what}: {name}'s {different} differ"
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_full_api_against_plain_torch_and_the_single_process_optimizer(results, stage):
-    ranks = results[stage]
+@pytest.mark.parametrize("stage, dtype", CASES)
+def test_full_api_against_plain_torch_and_the_single_process_optimizer(results, stage, dtype):
+    ranks = results[(stage, dtype)]
     torch.set_num_threads(1)  # as the ranks run: the same blocking of every product
-    replay = Replay(OPTIMIZER, frozen_model, clip=CLIP, split_numel=SPLIT_NUMEL)
+    replay = Replay(OPTIMIZER, frozen_model, clip=CLIP, split_numel=SPLIT_NUMEL,
+                    param_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
 
     # Step 0: the averaged gradient, as plain torch gives it, on every rank.
-    check_gradients(ranks, 0, replay.model, stage)
+    check_gradients(ranks, 0, replay.model_in(replay.param_dtype), stage, dtype)
     replay.step(ranks[0]["grads0"])
     for r in ranks:
         assert_state_equal(r["after0"], replay_state(replay), f"stage {stage} value and state after step 0")
@@ -101,19 +109,19 @@ def test_full_api_against_plain_torch_and_the_single_process_optimizer(results, 
     for r in ranks:
         assert_state_equal(r["read_back"], {n: {("value" if k is None else k): v for k, v in d.items()}
                                             for n, d in values.items()}, f"stage {stage} values read back")
-        if r["params_after_set"] is not None:
-            assert_equal(r["params_after_set"], {n: d[None] for n, d in values.items()}, "parameters after a set")
+        assert_equal(r["params_after_set"], {n: d[None].to(replay.param_dtype).float() for n, d in values.items()},
+                     f"stage {stage} {dtype}: the parameters the next forward sees after a set")
     with torch.no_grad():
         for n, p in replay.named:
             p.copy_(values[n][None])
             for k, v in values[n].items():
                 if k is not None:
                     replay.optimizer.state[p][k].copy_(v)
-    check_gradients(ranks, 1, replay.model, stage)  # the forward after the set used the set values
+    check_gradients(ranks, 1, replay.model_in(replay.param_dtype), stage, dtype)  # the forward after the set used the set values
     replay.step(ranks[0]["grads1"])
 
     # Step 2 with two gradients set through the API.
-    check_gradients(ranks, 2, replay.model, stage)
+    check_gradients(ranks, 2, replay.model_in(replay.param_dtype), stage, dtype)
     for r in ranks:
         assert_equal(r["set_grads_read_back"], r["set_grads"], "gradients read back after a set")
     replay.step({**ranks[0]["grads2"], **ranks[0]["set_grads"]})
@@ -123,9 +131,9 @@ def test_full_api_against_plain_torch_and_the_single_process_optimizer(results, 
             assert_equal(r["params"], replay.params(), f"stage {stage} parameters after the set")
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_frozen_parameters_and_errors(results, stage):
-    for r in results[stage]:
+@pytest.mark.parametrize("stage, dtype", CASES)
+def test_frozen_parameters_and_errors(results, stage, dtype):
+    for r in results[(stage, dtype)]:
         assert r["frozen"] == [None, None, None], f"{FROZEN} is frozen: DeepSpeed's getters return None"
         assert "no per-element optimizer state 'exp_avg'" in r["unknown_key"] and "momentum_buffer" in r["unknown_key"]
         if stage < 3:
@@ -134,8 +142,9 @@ def test_frozen_parameters_and_errors(results, stage):
             assert r["grad_after_step"] == "no error"
 
 
-def test_zero3_local_api(results):
-    ranks = results[3]
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_zero3_local_api(results, dtype):
+    ranks = results[(3, dtype)]
     for name in ranks[0]["local"]:
         parts = [r["local"][name] for r in ranks]
         assert all(p["numel"] == p["ds_numel"] for p in parts), name
