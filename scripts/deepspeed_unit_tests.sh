@@ -103,7 +103,7 @@ export DS_UNITTEST_TIMEOUT=${DS_UNITTEST_TIMEOUT:-300}
 run() {  # run NAME [env...]: pytest over the selection, a JUnit report and a log
   local name=$1
   shift
-  echo "== $name: ${selection[*]}"
+  echo "== $name: ${#selection[@]} arguments, log $work/$name.log"
   (cd "$tests" && env PYTHONPATH="$helpers${PYTHONPATH:+:$PYTHONPATH}" "$@" python -m pytest -p no:cacheprovider \
     -p ds_unit_harness -q -rfEs --junitxml="$work/$name.xml" "${selection[@]}" > "$work/$name.log" 2>&1)
   tail -n 1 "$work/$name.log"

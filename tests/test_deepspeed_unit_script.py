@@ -3,7 +3,8 @@
 The script itself runs DeepSpeed's unit tests twice (minutes; not in CI, docs/NOTES.md has its
 last table). Here: ``deepspeed.initialize`` wrapped by the injection adds ``"canzona": {"enabled":
 true}`` to a copy of exactly the configs it should (ZeRO 1/2/3 with an optimizer, as a dict or a
-JSON file) and passes the others through untouched; the table reads pytest's JUnit reports.
+JSON file) and passes the others through untouched; the table reads pytest's JUnit reports (or,
+for a run that was stopped, its log).
 """
 
 from __future__ import annotations
@@ -71,3 +72,11 @@ def test_table_reads_both_reports(tmp_path, capsys):
     assert "| test_x.py::TestY::test_z[2] | pass | fail |" in out
     assert "| test_x.py::TestY::test_z[3] | skip | skip |" in out
     assert "- stock pass, injected fail: 1" in out and "engines built in the injected run: 2" in out
+    # A stopped run leaves no report: its verbose log is read, a case without an outcome is "no result".
+    (tmp_path / "stock.xml").unlink()
+    (tmp_path / "stock.log").write_text("unit/runtime/zero/test_x.py::TestY::test_z[1] \x1b[32mPASSED\x1b[0m [ 50%]\n"
+                                        "unit/runtime/zero/test_x.py::TestY::test_z[2] \n")
+    table.main(str(tmp_path / "stock.xml"), str(tmp_path / "injected.xml"))
+    out = capsys.readouterr().out
+    assert "| test_x.py::TestY::test_z[1] | pass | pass |" in out
+    assert "| test_x.py::TestY::test_z[2] | no result | fail |" in out

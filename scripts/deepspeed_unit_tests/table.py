@@ -11,12 +11,25 @@ processes that do not see which test the parent is running).
 from __future__ import annotations
 
 import json
+import os
+import re
 import sys
 import xml.etree.ElementTree as ET
 from collections import Counter
 
 
+LOG_LINE = re.compile(r"^(?P<file>\S+\.py)::(?P<test>\S+) (?P<outcome>PASSED|FAILED|ERROR|SKIPPED)")
+STARTED = re.compile(r"^(?P<file>\S+\.py)::(?P<test>\S+) ")
+
+
 def outcomes(path: str) -> dict[str, str]:
+    """Each case's outcome from a JUnit report; from the pytest log beside it if the run left none.
+
+    A run that was stopped writes no report: its verbose log's per-case lines are read instead,
+    and a case that started without an outcome is "no result".
+    """
+    if not os.path.exists(path):
+        return outcomes_from_log(os.path.splitext(path)[0] + ".log")
     result = {}
     for case in ET.parse(path).getroot().iter("testcase"):
         name = f"{case.get('classname', '')}::{case.get('name', '')}"
@@ -29,6 +42,22 @@ def outcomes(path: str) -> dict[str, str]:
         else:
             outcome = "pass"
         result[name] = outcome
+    return result
+
+
+def outcomes_from_log(path: str) -> dict[str, str]:
+    result = {}
+    with open(path) as handle:
+        for line in handle:
+            line = re.sub(r"\x1b\[[0-9;]*m", "", line)
+            match = LOG_LINE.match(line) or STARTED.match(line)
+            if match:
+                # As the JUnit report names it: "package.module.Class::test".
+                *classes, test = match["test"].split("::")
+                name = ".".join([match["file"][:-3].replace("/", "."), *classes]) + f"::{test}"
+                outcome = match.groupdict().get("outcome")
+                result[name] = {"PASSED": "pass", "FAILED": "fail", "ERROR": "error", "SKIPPED": "skip"}.get(
+                    outcome, "no result")
     return result
 
 
