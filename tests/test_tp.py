@@ -83,6 +83,8 @@ def tp2_dp2(checkpoints):
          "bf16": True},
         {"tp": 2, "mode": "fed", "steps": FED_STEPS, "optimizer": MUON, "stage": 2, "canzona": SMALL_GROUPS,
          "model": "phi3", "save": checkpoints["D"]},
+        {"tp": 2, "mode": "fed", "steps": 1, "optimizer": MUON, "stage": 2, "canzona": SMALL_GROUPS,
+         "fragments": True},  # DeepSpeed's tensor-fragment API (tests/fragment_workers.py)
     ]
     return run_ranks(tp_scenarios, 4, scenarios, timeout=1200)
 
@@ -168,6 +170,17 @@ def test_tp2_dp2_step_collectives(tp2_dp2):
             assert calls["all_to_all"] == 2 * rank["micro_groups"]
             assert calls["reduce_scatter"] == rank["buckets"]
             assert calls["broadcast"] == rank["segments"]
+
+
+def test_tp2_dp2_tensor_fragment_api_on_the_slices(tp2_dp2):
+    """deepspeed.utils' full getters and setters under AutoTP: a parameter is this rank's slice, as in DeepSpeed."""
+    ranks = scenario(tp2_dp2, 9)
+    assert set().union(*(r["hosted"] for r in ranks)), "no sharded matrix was covered"
+    for r in ranks:
+        assert all(r["full_equals_local"].values()), [n for n, ok in r["full_equals_local"].items() if not ok]
+        assert all(r["read_back"].values()), [n for n, ok in r["read_back"].items() if not ok]
+        # At learning rate 0 the step publishes the set values: a sharded matrix's from its host's master.
+        assert all(r["after_zero_lr_step"].values()), [n for n, ok in r["after_zero_lr_step"].items() if not ok]
 
 
 def test_tp2_dp2_plan_summary_prints_the_tp_load(tp2_dp2):

@@ -159,7 +159,8 @@ def _initialize(config: dict, model):
     return engine
 
 
-def _fed_run(config: dict, steps: int, tp: int, model: str = "qwen3", save: str | None = None) -> dict:
+def _fed_run(config: dict, steps: int, tp: int, model: str = "qwen3", save: str | None = None,
+             after=None) -> dict:
     """Each step's gradient is ``full_gradient`` (the TP slice of it on each rank), fed through backward."""
     from deepspeed.utils import groups
 
@@ -188,7 +189,10 @@ def _fed_run(config: dict, steps: int, tp: int, model: str = "qwen3", save: str 
         engine.step()
     if save is not None:
         engine.save_checkpoint(save, tag="saved")
-    return {"params": _local_params(engine), "splits": splits, "fused": fused}
+    result = {"params": _local_params(engine), "splits": splits, "fused": fused}
+    if after is not None:  # more checks on the trained engine (``after(engine)`` -> a dict of results)
+        result.update(after(engine))
+    return result
 
 
 def _train_run(config: dict, steps: int, dp_rank: int, *, meter=None, load: str | None = None,
@@ -258,7 +262,9 @@ def tp_scenarios(rank: int, world_size: int, scenarios: list[dict]) -> list[dict
                 results.append({"error": None})
             continue
         if scenario["mode"] == "fed":
-            results.append(_fed_run(config, scenario["steps"], tp, model, save=scenario.get("save")))
+            from fragment_workers import tp_fragment_checks
+            after = tp_fragment_checks if scenario.get("fragments") else None
+            results.append(_fed_run(config, scenario["steps"], tp, model, save=scenario.get("save"), after=after))
             continue
         if scenario.get("canzona") is None:
             force_deepspeed_ns_dtype(torch.float32)  # DeepSpeed's Muon in fp32 too: only the distribution differs

@@ -36,6 +36,7 @@ from ds_canzona.optim import rule_for_group
 from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
 from ds_canzona.plan import CostModel
 from ds_canzona.zero.comm import CommCounter, all_reduce_sum
+from ds_canzona.zero.fragments import FragmentAPI
 from ds_canzona.zero.owned import OwnedTensor, parameter_groups
 from ds_canzona.zero.pricing import plan_cost_model
 from ds_canzona.zero.reduction import gradient_reduction
@@ -53,6 +54,7 @@ class OwnerRuntime(ZeROOptimizer):
         super().__init__()
         self.optimizer = optimizer
         self._expose_state_api()
+        self.fragments: FragmentAPI | None = None  # set by _expose_fragment_api once the parameters are placed
         self.config = config
         self.stage = stage
         self.partition_gradients = stage >= 2
@@ -136,6 +138,8 @@ class OwnerRuntime(ZeROOptimizer):
     @torch.no_grad()
     def step(self, closure=None):
         items, grads = self._step_gradients()
+        if self.fragments is not None:  # gradients set with deepspeed.utils.safe_set_full_grad
+            grads = self.fragments.gradients_for_step(items, grads)
 
         # One collective for both the overflow check and clipping: every entry is non-zero on
         # its owner only, so the all-reduced vector is exact, and its sum in plan order is the
@@ -283,6 +287,12 @@ class OwnerRuntime(ZeROOptimizer):
         """
         self.optimizer.state_dict = self.state_dict
         self.optimizer.load_state_dict = self.load_state_dict
+
+    def _expose_fragment_api(self) -> None:
+        """DeepSpeed's tensor-fragment functions (``deepspeed.utils.safe_get_full_fp32_param`` and the rest)
+        answer for the trained parameters: ``ds_canzona.zero.fragments``. Called once they are placed."""
+        self.fragments = FragmentAPI(self)
+        self.fragments.attach()
 
 
 __all__ = ["OwnerRuntime"]

@@ -116,6 +116,7 @@ class CanzonaZeroOptimizer(OwnerRuntime):
         self._arrivals = [0] * len(self.params)  # gradients per tensor in the current backward
         self._register_grad_hooks()
         self._reset_reduction()
+        self._expose_fragment_api()
 
     # ------------------------------------------------------------------ planning
     def _plan_shapes(self) -> list[tuple[int, ...]]:

@@ -158,6 +158,7 @@ class CanzonaZero3Optimizer(OwnerRuntime):
         self._bucket_numel = 0
         self._next = len(self.params) - 1
         self._hook_handles = [register_grad_hook(p, self._make_grad_hook(i)) for i, p in enumerate(self.params)]
+        self._expose_fragment_api()
 
     # ------------------------------------------------------------------ planning
     def _make_plan(self) -> Zero3Plan:
