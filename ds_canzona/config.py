@@ -86,6 +86,15 @@ class CanzonaConfig(DeepSpeedConfigModel):
     """Timeout (s) of the default and data-parallel process groups once the optimizer is built: a dead or
     hung peer makes every collective (steps, checkpoint saves and loads) raise within this bound."""
 
+    offload_staging_bytes: int = Field(256 * 2**20, gt=0)
+    """With zero_optimization.offload_optimizer (device cpu): the device bytes the matrix items' masters, gradients
+    and state take while staged for their update (two waves of at most half of it, one copied while the other
+    computes); a matrix larger than half of it is staged alone."""
+
+    offload_host_adam: Literal["canzona", "deepspeed_cpu_adam"] = "canzona"
+    """With offload_optimizer: the host update of non-matrix items: ds_canzona's AdamW rule (bit-exact with the
+    device run) or DeepSpeed's CPU Adam kernel (DeepSpeedCPUAdam's op; agrees to rounding, docs/NOTES.md)."""
+
     @field_validator("strategy")
     @classmethod
     def _runtime_strategy(cls, value: str) -> str:

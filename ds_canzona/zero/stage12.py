@@ -82,13 +82,14 @@ class CanzonaZeroOptimizer(OwnerRuntime):
                  static_loss_scale: float = 1.0, dynamic_loss_scale: bool = False, dynamic_loss_args=None,
                  grad_accum_dtype: torch.dtype | None = None, communication_dtype: torch.dtype | None = None,
                  gradient_predivide_factor: float = 1.0, postscale_gradients: bool = True,
-                 gradient_average: bool = True):
+                 gradient_average: bool = True, offload=None):
         if stage not in (1, 2):
             raise ValueError(f"ds_canzona supports ZeRO stage 1 and 2, got {stage=}")
         super().__init__(optimizer, param_names=param_names, config=config, stage=stage,
                          dp_process_group=dp_process_group, clip_grad=clip_grad, grad_accum_dtype=grad_accum_dtype,
                          communication_dtype=communication_dtype, gradient_predivide_factor=gradient_predivide_factor,
-                         postscale_gradients=postscale_gradients, gradient_average=gradient_average)
+                         postscale_gradients=postscale_gradients, gradient_average=gradient_average,
+                         offload=offload)
 
         self.plan = self._make_plan(bucket_numel)
         self.layout = self._buffer_layout()
@@ -102,6 +103,7 @@ class CanzonaZeroOptimizer(OwnerRuntime):
         self._index_tensors()
         self._build_buffers()
         self._owned = self._build_owned_state()
+        self._offload_owned(self.item_view)
         # Stage 2 reduce-scatters a bucket during backward once all its tensors' gradients are in.
         # Turned off for good the first time a gradient arrives twice in one backward: this model's
         # gradients are then not final when they first arrive (see _record_arrival).
@@ -417,7 +419,9 @@ class CanzonaZeroOptimizer(OwnerRuntime):
     @torch.no_grad()
     def refresh_params_from_masters(self) -> None:
         """Write owned masters into the low-precision params and all-gather every bucket."""
-        for t in self._owned:
+        if self.offload is not None:
+            self.offload.write_views(self._owned)  # host masters; right after an offloaded step, already written
+        for t in self._owned if self.offload is None else ():
             view = self.item_view(t.index)
             if t.master is not view:
                 view.copy_(t.master)

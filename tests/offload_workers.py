@@ -1,0 +1,71 @@
+"""Rank-side functions of the optimizer offload tests (tests/test_offload.py), spawned by tests/distributed.py."""
+
+from __future__ import annotations
+
+import torch
+
+from tiny_model import batches, make_model
+from zero3_workers import gathered_params
+from zero_workers import init_engine
+
+
+def offload_runs(rank: int, world_size: int, runs: list[dict]) -> list[dict]:
+    """One engine per run, trained in a row in this process (one spawn, many engines).
+
+    A run is {"config", "steps", optional "load": (dir, tag), "save": (dir, tag, after_steps)}.
+    Each result: the final parameters gathered whole, the owned masters and state, and with
+    offload the per-step bytes copied host <-> device and where the owned tensors live.
+    """
+    return [_offload_run(rank, world_size, run) for run in runs]
+
+
+def _offload_run(rank: int, world_size: int, run: dict) -> dict:
+    config = run["config"]
+    engine = init_engine(config, model=make_model())
+    zero = engine.optimizer
+    first = 0
+    if "load" in run:
+        load_dir, tag = run["load"]
+        engine.load_checkpoint(load_dir, tag=tag)
+        first = int(run.get("first", 0))
+    loaded = _owned_snapshot(zero)
+    ga = engine.gradient_accumulation_steps()
+    step_bytes = []
+    for step in range(first, first + run["steps"]):
+        for micro in range(ga):
+            engine.backward(engine(batches(step, micro, rank, world_size, config["train_micro_batch_size_per_gpu"])))
+            engine.step()
+        if zero.offload is not None:
+            step_bytes.append((zero.offload.counter.to_device, zero.offload.counter.to_host))
+        if "save" in run and step + 1 == run["save"][2]:
+            engine.save_checkpoint(run["save"][0], tag=run["save"][1])
+    offload = zero.offload
+    result = {
+        "params": gathered_params(engine),
+        "owned": _owned_snapshot(zero),
+        "loaded": loaded,
+        "step_bytes": step_bytes,
+        "param_bytes": zero.params[0].element_size(),
+        "owned_kinds": {t.name: t.group["kind"] for t in zero.owned_tensors()},
+        "owned_numel": {t.name: t.master.numel() for t in zero.owned_tensors()},
+        "owned_state_numel": {t.name: sum(v.numel() for k, v in t.state.items() if torch.is_tensor(v) and k != "step")
+                              for t in zero.owned_tensors()},
+        "masters_on_host": all(t.master.device.type == "cpu" for t in zero.owned_tensors()),
+        # At fp32 without offload the master is the parameter's own storage; offloaded, never.
+        "masters_share_params": any(t.master.data_ptr() == _view(zero, t.index).data_ptr()
+                                    for t in zero.owned_tensors()),
+        "host_bytes": offload.host_bytes if offload is not None else 0,
+        "summary": offload.summary() if offload is not None else None,
+    }
+    engine.destroy()
+    return result
+
+
+def _view(zero, item: int) -> torch.Tensor:
+    return zero.item_shard(item) if zero.stage == 3 else zero.item_view(item)
+
+
+def _owned_snapshot(zero) -> dict:
+    return {t.name: {"master": t.master.detach().clone(),
+                     **{k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in t.state.items()}}
+            for t in zero.owned_tensors()}
