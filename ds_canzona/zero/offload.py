@@ -130,7 +130,9 @@ class OptimizerOffload:
         self._accelerator = get_accelerator()
         self._streams = streams_are_real()
         self._copy_stream = self._accelerator.Stream() if self._streams else None
-        self._views_match_masters = True  # at init the views hold the values the masters were made from
+        # True from an offloaded update until the runtime's next write of the views (the publish that
+        # follows it), which then has nothing left to do; any other write (a checkpoint load) copies.
+        self._views_match_masters = False
         self._cpu_adam = _CPUAdamKernel() if settings.host_adam == "deepspeed_cpu_adam" else None
         for t in owned:
             t.master = self._host_copy(t.master)
@@ -294,10 +296,6 @@ class OptimizerOffload:
             return
         for t in owned:
             self._write_view(t)
-
-    def masters_changed(self) -> None:
-        """The host masters were written by someone else (a checkpoint load): the views are stale."""
-        self._views_match_masters = False
 
     def summary(self) -> str:
         budget = self.settings.staging_bytes
