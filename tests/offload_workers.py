@@ -69,3 +69,18 @@ def _owned_snapshot(zero) -> dict:
     return {t.name: {"master": t.master.detach().clone(),
                      **{k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in t.state.items()}}
             for t in zero.owned_tensors()}
+
+
+def host_adam_runs(rank: int, world_size: int, configs: list[dict], steps: int) -> list[dict]:
+    """Final parameters of one engine per config (the host AdamW choices side by side)."""
+    out = []
+    for config in configs:
+        engine = init_engine(config, model=make_model())
+        for step in range(steps):
+            engine.backward(engine(batches(step, 0, rank, world_size, config["train_micro_batch_size_per_gpu"])))
+            engine.step()
+        out.append({"params": gathered_params(engine),
+                    "kinds": {name: group["kind"] for name, group in zip(engine.optimizer.names, engine.optimizer.groups)},
+                    "summary": engine.optimizer.offload.summary()})
+        engine.destroy()
+    return out

@@ -330,7 +330,14 @@ class _CPUAdamKernel:
     def __init__(self):
         from deepspeed.ops.op_builder import CPUAdamBuilder
 
-        self._op = CPUAdamBuilder().load()
+        from ds_canzona.config import CanzonaConfigError
+
+        try:
+            self._op = CPUAdamBuilder().load()
+        except Exception as error:  # the op builder raises whatever its compiler step raised
+            raise CanzonaConfigError(f"canzona.offload_host_adam 'deepspeed_cpu_adam' needs DeepSpeed's cpu_adam op, "
+                                     f"which did not build or load here ({type(error).__name__}: {error}); use "
+                                     "'canzona' (ds_canzona's AdamW rule on the host)") from None
         self._ids: dict[int, int] = {}
 
     def update_(self, group: dict, masters, grads, states) -> None:
