@@ -84,3 +84,32 @@ def host_adam_runs(rank: int, world_size: int, configs: list[dict], steps: int) 
                     "summary": engine.optimizer.offload.summary()})
         engine.destroy()
     return out
+
+
+def deepspeed_offload_parity(rank: int, world_size: int, stage: int) -> dict:
+    """DeepSpeed 0.19.8's offloaded Muon, then ds_canzona offloaded, on the DeepSpeed-parity model and groups.
+
+    The setup of tests/param_group_workers.py (fp32 Newton-Schulz "standard" on both sides, per-head
+    Muon, the experts and the norms in groups of their own, an LR schedule), plus
+    ``offload_optimizer: {"device": "cpu"}`` on both engines.
+    """
+    import logging
+
+    import deepspeed
+    import ds_canzona  # noqa: F401  (registers the engine hook)
+    from deepspeed.runtime.zero.muon import original_muon
+    from param_group_workers import _initialize, _train, make_config
+
+    for name in ("DeepSpeed", "deepspeed", "ds_canzona"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    original_muon.ns_compute_dtype = lambda ns_method="gram": torch.float32
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    out = {}
+    for label, canzona in (("deepspeed", False), ("ours", True)):
+        config = make_config(stage, canzona=canzona)
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+        engine = _initialize(config)
+        out[label] = _train(engine, rank, world_size, capture=False)["params"]
+        if canzona:
+            out["offloaded"] = engine.optimizer.offload is not None
+    return out
