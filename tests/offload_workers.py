@@ -20,9 +20,16 @@ def offload_runs(rank: int, world_size: int, runs: list[dict]) -> list[dict]:
 
 
 def _offload_run(rank: int, world_size: int, run: dict) -> dict:
+    from ds_canzona.config import CanzonaConfigError
+    from ds_canzona.zero.offload import OffloadedDeviceMemory
+
     config = run["config"]
-    engine = init_engine(config, model=make_model())
+    try:
+        engine = init_engine(config, model=make_model())
+    except CanzonaConfigError as error:
+        return {"init_error": str(error)}
     zero = engine.optimizer
+    memory = OffloadedDeviceMemory(zero._state_memory_model()) if zero.stage < 3 and zero.offload else None
     first = 0
     if "load" in run:
         load_dir, tag = run["load"]
@@ -56,6 +63,10 @@ def _offload_run(rank: int, world_size: int, run: dict) -> dict:
                                     for t in zero.owned_tensors()),
         "host_bytes": offload.host_bytes if offload is not None else 0,
         "summary": offload.summary() if offload is not None else None,
+        # The plan's host bytes of this rank's items (the memory model), to compare with what was allocated.
+        "plan_host_bytes": (sum(memory.host_bytes(zero.plan.specs[t.index]) for t in zero.owned_tensors())
+                            if isinstance(memory, OffloadedDeviceMemory) else None),
+        "plan_summary": zero.plan_summary(),
     }
     engine.destroy()
     return result

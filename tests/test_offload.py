@@ -29,6 +29,7 @@ OFFLOAD = {"device": "cpu", "pin_memory": True}
 # Small enough that the tiny model's matrices go in many waves (each 24x24 Muon matrix stages
 # 3 x 2304 bytes), so the double-buffered loop runs more than one wave per group.
 SMALL_STAGING = 16_000
+CAP = 30_000
 
 
 def _config(world_size: int, *, stage: int, optimizer: dict, bf16: bool, ga: int, offload: bool,
@@ -79,7 +80,14 @@ def dp2(tmp_path_factory):
     save_dir = str(tmp_path_factory.mktemp("offload_ckpt"))
     cases = [dict(case) for case in DP2_CASES]
     cases[1]["save"] = save_dir  # stage 2, Muon, bf16: checkpoints after step 3, with and without offload
-    return run_ranks(offload_runs, 2, _pairs(2, cases), timeout=1200), save_dir
+    runs = _pairs(2, cases)
+    # canzona.max_state_bytes_per_rank caps device bytes: offloaded, only the gradient segments
+    # (busiest rank 27,168 bytes here, fp32); without offload the masters' state counts too.
+    for offload in (True, False):
+        capped = _config(2, stage=2, optimizer=MUON, bf16=False, ga=1, offload=offload)
+        capped["canzona"]["max_state_bytes_per_rank"] = CAP
+        runs.append({"config": capped, "steps": 1})
+    return run_ranks(offload_runs, 2, runs, timeout=1200), save_dir
 
 
 @pytest.fixture(scope="module")
@@ -141,8 +149,21 @@ def _check_pairs(per_rank: list[list[dict]], cases: list[dict]) -> None:
 
 def test_offload_equals_no_offload_dp2(dp2):
     per_rank, _ = dp2
-    _check_pairs(per_rank, DP2_CASES)
+    _check_pairs([results[:2 * len(DP2_CASES)] for results in per_rank], DP2_CASES)
     assert "offload_optimizer cpu" in per_rank[0][1]["summary"]
+
+
+def test_plan_splits_host_and_device_bytes_and_caps_the_device(dp2):
+    per_rank, _ = dp2
+    for results in per_rank:
+        for result in results[:2 * len(DP2_CASES)]:
+            if result["plan_host_bytes"] is not None:  # offloaded, stage 1 or 2
+                # The memory model's host bytes are what the runtime allocated on the host.
+                assert result["plan_host_bytes"] == result["host_bytes"]
+                assert "in host memory" in result["plan_summary"]
+        capped_offloaded, capped_plain = results[2 * len(DP2_CASES):]
+        assert "init_error" not in capped_offloaded, capped_offloaded.get("init_error")
+        assert f"max_state_bytes_per_rank={CAP:,} cannot be met" in capped_plain["init_error"]
 
 
 def test_offload_equals_no_offload_dp3(dp3):

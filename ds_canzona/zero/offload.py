@@ -73,6 +73,31 @@ def offload_settings(engine, config) -> OffloadSettings | None:
                            staging_bytes=int(config.offload_staging_bytes), host_adam=config.offload_host_adam)
 
 
+@dataclass(frozen=True)
+class OffloadedDeviceMemory:
+    """The planner's memory model under offload: what an item pins on its owner's device.
+
+    Only its reduced-gradient segment (the parameters' dtype): the master and the state are in
+    host memory, so ``canzona.max_state_bytes_per_rank`` caps these bytes. ``host`` is the
+    model without offload, which ``host_bytes`` reads for the rest.
+    """
+
+    host: object  # a ds_canzona.plan StateMemory
+    name = "device_bytes_offloaded"
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}({self.host.label})"
+
+    def bytes(self, spec) -> float:
+        return float(self.host.param_bytes * spec.numel)
+
+    def host_bytes(self, spec) -> float:
+        """An item's host bytes: its fp32 master (at every dtype: the device keeps the parameters) and its state."""
+        state = self.host.bytes(spec) - (self.host.master_bytes_per_element + self.host.param_bytes) * spec.numel
+        return float(4 * spec.numel + state)
+
+
 @dataclass
 class TransferCounter:
     """Bytes copied host -> device and device -> host: this step's and the total since init."""
@@ -303,7 +328,8 @@ class OptimizerOffload:
             f"; the largest matrix needs {self.largest_matrix_bytes} staging bytes alone, above half the budget")
         adam = "DeepSpeed's CPU Adam" if self._cpu_adam is not None else "ds_canzona's AdamW rule"
         return (f"offload_optimizer cpu: owned fp32 masters and optimizer state in host memory "
-                f"({'pinned' if self.settings.pin_memory else 'not pinned'}), matrices updated on the device through "
+                f"({self.host_bytes} bytes on this rank) "
+                f"{'pinned' if self.settings.pin_memory else 'not pinned'}, matrices updated on the device through "
                 f"{budget} staging bytes (offload_staging_bytes), non-matrix items on the host by {adam}{over}")
 
 
@@ -354,5 +380,6 @@ class _CPUAdamKernel:
                                  rule.weight_decay, True, master, grad, state["exp_avg"], state["exp_avg_sq"])
 
 
-__all__ = ["DEFAULT_STAGING_BYTES", "HOST_ADAM_CHOICES", "OffloadSettings", "OptimizerOffload", "TransferCounter",
+__all__ = ["DEFAULT_STAGING_BYTES", "HOST_ADAM_CHOICES", "OffloadSettings", "OffloadedDeviceMemory", "OptimizerOffload",
+           "TransferCounter",
            "offload_settings"]

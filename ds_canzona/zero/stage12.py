@@ -51,6 +51,7 @@ from ds_canzona.plan import DPPlan, MemoryCapError, ParamSpec, StateMemory, memo
 from ds_canzona.zero.comm import all_gather_uneven, check_digest_agreement, reduce_scatter_uneven
 from ds_canzona.zero.compat import at_accumulation_boundary
 from ds_canzona.zero.layout import BufferLayout
+from ds_canzona.zero.offload import OffloadedDeviceMemory
 from ds_canzona.zero.owned import GradientAfterReductionError, OwnedTensor
 from ds_canzona.zero.owner_runtime import OwnerRuntime
 from ds_canzona.zero.streams import StreamOrder
@@ -135,14 +136,29 @@ class CanzonaZeroOptimizer(OwnerRuntime):
         except MemoryCapError as error:  # before any buffer is allocated
             raise CanzonaConfigError(f"{CANZONA_SECTION}.{error}") from None
 
-    def _plan_memory_model(self) -> StateMemory:
+    def _plan_memory_model(self):
+        """The memory the plan balances second: the owner's bytes per item (``_state_memory_model``).
+
+        With offload_optimizer and ``canzona.max_state_bytes_per_rank`` the cap is on device bytes,
+        so the plan counts those (``OffloadedDeviceMemory``: the gradient segment). Without a cap
+        it balances all of the owner's bytes, host and device, as without offload: the plan, and so
+        the order of every reduction, is then the same offloaded or not.
+        """
+        model = self._state_memory_model()
+        if self.offload_settings is not None and self.config.max_state_bytes_per_rank is not None:
+            return OffloadedDeviceMemory(model)
+        return model
+
+    def _state_memory_model(self) -> StateMemory:
         """What each item pins on its owner: masters (non-fp32 models), the rule's state, the gradient segment."""
         param_bytes = self.params[0].element_size()  # one dtype across the model (checked above)
         matrix_groups = [g for g in self.optimizer.param_groups if g["kind"] != "adamw"]
         if not matrix_groups:
-            return memory_model("muon", param_bytes=param_bytes)
-        return memory_model(matrix_groups[0]["kind"], param_bytes=param_bytes,
-                            **rule_for_group(matrix_groups[0]).cost_options())
+            model = memory_model("muon", param_bytes=param_bytes)
+        else:
+            model = memory_model(matrix_groups[0]["kind"], param_bytes=param_bytes,
+                                 **rule_for_group(matrix_groups[0]).cost_options())
+        return model
 
     def _check_plan_agreement(self) -> None:
         """Compare the plan's digest across ranks before any other collective."""
@@ -161,8 +177,15 @@ class CanzonaZeroOptimizer(OwnerRuntime):
             by_cost = sorted(ranks, key=lambda r: (costs[r], r))
             fullest = max(ranks, key=lambda r: (state[r], -r))
             ranks = sorted(set(by_cost[:2] + by_cost[-2:] + [fullest]))
+        split = None if self.offload_settings is None else OffloadedDeviceMemory(self._state_memory_model())
         for r in ranks:
-            lines.append(f"  rank {r}: cost {costs[r]:.3e}, {state[r]:.0f} state bytes, {numels[r]} elements, "
+            if split is None:
+                where = f"{state[r]:.0f} state bytes"
+            else:  # offloaded: the gradient segments on the device, the masters and state in host memory
+                items = [plan.specs[j] for j in plan.owned_params(r)]
+                where = (f"{sum(map(split.bytes, items)):.0f} state bytes on the device, "
+                         f"{sum(map(split.host_bytes, items)):.0f} in host memory")
+            lines.append(f"  rank {r}: cost {costs[r]:.3e}, {where}, {numels[r]} elements, "
                          f"{len(plan.owned_params(r))} items")
         return "\n".join(lines)
 
