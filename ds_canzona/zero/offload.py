@@ -165,6 +165,8 @@ class OptimizerOffload:
         self.host_bytes = sum(_nbytes(t.master) + sum(_nbytes(v) for v in t.state.values() if _moves(v))
                               for t in owned)
         self.largest_matrix_bytes = max((self._staged_bytes(t) for t in owned if _is_matrix(t)), default=0)
+        # What the accelerator did with pin_memory (DeepSpeed's CPU accelerator pins nothing).
+        self.pinned = bool(owned) and all(self._accelerator.is_pinned(t.master) for t in owned)
 
     # ------------------------------------------------------------------ placement
     def _host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -174,9 +176,6 @@ class OptimizerOffload:
         if self.settings.pin_memory:
             host = self._accelerator.pin_memory(host)
         return host
-
-    def is_pinned(self, tensor: torch.Tensor) -> bool:
-        return bool(self._accelerator.is_pinned(tensor))
 
     def _staged_bytes(self, t: OwnedTensor) -> int:
         """Device bytes one matrix item takes while staged: master, gradient, state."""
@@ -329,7 +328,9 @@ class OptimizerOffload:
         adam = "DeepSpeed's CPU Adam" if self._cpu_adam is not None else "ds_canzona's AdamW rule"
         return (f"offload_optimizer cpu: owned fp32 masters and optimizer state in host memory "
                 f"({self.host_bytes} bytes on this rank) "
-                f"{'pinned' if self.settings.pin_memory else 'not pinned'}, matrices updated on the device through "
+                f"{'pinned' if self.pinned else 'not pinned'}"
+                f"{' (pin_memory asked for; this accelerator does not pin)' if self.settings.pin_memory and not self.pinned else ''}"
+                f", matrices updated on the device through "
                 f"{budget} staging bytes (offload_staging_bytes), non-matrix items on the host by {adam}{over}")
 
 
