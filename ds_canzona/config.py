@@ -112,6 +112,15 @@ class CanzonaConfig(DeepSpeedConfigModel):
         rate = DEFAULT_COLLECTIVE_BYTES_PER_S if self.collective_bytes_per_s is None else self.collective_bytes_per_s
         return CollectiveCosts(launch_s=float(launch), bytes_per_s=float(rate))
 
+    offload_staging_bytes: int = Field(256 * 2**20, gt=0)
+    """With zero_optimization.offload_optimizer (device cpu): the device bytes the matrix items' masters, gradients
+    and state take while staged for their update (two waves of at most half of it, one copied while the other
+    computes); a matrix larger than half of it is staged alone."""
+
+    offload_host_adam: Literal["canzona", "deepspeed_cpu_adam"] = "canzona"
+    """With offload_optimizer: the host update of non-matrix items: ds_canzona's AdamW rule (bit-exact with the
+    device run) or DeepSpeed's CPU Adam kernel (DeepSpeedCPUAdam's op; agrees to rounding, docs/NOTES.md)."""
+
     @field_validator("strategy")
     @classmethod
     def _runtime_strategy(cls, value: str) -> str:

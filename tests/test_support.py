@@ -80,7 +80,14 @@ REFUSED = [
     ("zero++ gradients", {}, {"zero_quantized_gradients": True}, {}, "zero_quantized_gradients"),
     ("zero++ hpz", {}, {"zero_hpz_partition_size": 2}, {}, "zero_hpz_partition_size"),
     ("zenflow", {}, {"zenflow": {"topk_ratio": 0.1}}, {}, "zero_optimization.zenflow"),
-    ("offload", {}, {"offload_optimizer": {"device": "cpu"}}, {}, "offload_optimizer"),
+    # offload_optimizer device cpu is supported (tests/test_offload.py); these variants of it are not.
+    ("nvme offload", {}, {"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}, {},
+     "offload_optimizer.device 'nvme'"),
+    # DeepSpeed itself refuses ratio < 1 below stage 3.
+    ("partial offload", {}, {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, {},
+     "offload_optimizer.ratio 0.5"),
+    ("super offload", {}, {"offload_optimizer": {"device": "cpu", "super_offload": True}}, {},
+     "offload_optimizer.super_offload"),
     ("universal load", {"checkpoint": {"load_universal": True}}, {}, {}, "checkpoint.load_universal"),
     ("node-local storage", {"checkpoint": {"use_node_local_storage": True}}, {}, {}, "use_node_local_storage"),
     ("checkpoint writer", {"checkpoint": {"writer": {"type": "fast"}}}, {}, {}, "checkpoint.writer"),

@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan-speed": ("ds_canzona.bench.balance:PLAN_SPEED", "time the planner on 10,000 tensors at DP=1024"),
     "kernels": ("ds_canzona.bench.kernels", "Triton kernels against torch and cuBLAS (GPU)"),
     "step": ("ds_canzona.bench.step:STEP", "real training steps on gloo ranks against DeepSpeed's Muon"),
+    "step-offload": ("ds_canzona.bench.step_offload:STEP_OFFLOAD", "optimizer offload: ds_canzona vs DeepSpeed's offloaded Muon"),
     "tp-step": ("ds_canzona.bench.tp_step:TP_STEP", "optimizer steps under AutoTP: micro-groups vs synchronous vs DeepSpeed"),
     "makespan": ("ds_canzona.bench.makespan:MAKESPAN", "optimizer-step makespan at DP 16-128, real per-tensor compute"),
     "zero3-memory": ("ds_canzona.bench.memory3:ZERO3_MEMORY", "memory per rank at ZeRO-3 vs DeepSpeed's ZeRO-3 Muon"),

@@ -18,8 +18,8 @@ _ADAM_KEYS = {"betas": "adam_betas", "eps": "adam_eps"}
 # Read here, not passed to the optimizer class: per-head Muon comes from DeepSpeed's head tags.
 _PER_HEAD_KEY = "per_head_muon"
 
-# DeepSpeed 0.19.8's choice of Adam class (engine.get_optimizer_configuration; offload_optimizer,
-# which would pick DeepSpeedCPUAdam, is refused in support.py): torch_adam picks torch.optim.AdamW
+# DeepSpeed 0.19.8's choice of Adam class (engine.get_optimizer_configuration; with offload_optimizer
+# it would pick DeepSpeedCPUAdam, which canzona.offload_host_adam selects here instead): torch_adam picks torch.optim.AdamW
 # (decoupled) or torch.optim.Adam (L2), else FusedAdam. Each class's keys with the value that
 # leaves ds_canzona's math unchanged (None: any value, no numeric effect on a step); a key not
 # listed would be a TypeError in DeepSpeed and is one clear error here.
@@ -312,8 +312,11 @@ def build_canzona_optimizer(engine, client_optimizer, model_parameters=None):
     """
     from ds_canzona.zero.stage12 import CanzonaZeroOptimizer
 
+    from ds_canzona.zero.offload import offload_settings
+
     config = engine._canzona_config
     numerics = gradient_numerics(engine)  # refused before anything is built
+    numerics["offload"] = offload_settings(engine, config)
     if client_optimizer is None:
         basic = optimizer_from_config(engine, model_parameters)
     elif callable(client_optimizer) and not hasattr(client_optimizer, "param_groups"):

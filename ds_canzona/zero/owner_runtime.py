@@ -37,6 +37,7 @@ from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
 from ds_canzona.plan import CostModel
 from ds_canzona.zero.comm import CommCounter, all_reduce_sum
 from ds_canzona.zero.fragments import FragmentAPI
+from ds_canzona.zero.offload import OffloadSettings, OptimizerOffload
 from ds_canzona.zero.owned import OwnedTensor, parameter_groups
 from ds_canzona.zero.pricing import plan_cost_model
 from ds_canzona.zero.reduction import gradient_reduction
@@ -50,8 +51,12 @@ class OwnerRuntime(ZeROOptimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, *, param_names: dict, config: CanzonaConfig, stage: int,
                  dp_process_group, clip_grad: float, grad_accum_dtype: torch.dtype | None = None,
                  communication_dtype: torch.dtype | None = None, gradient_predivide_factor: float = 1.0,
-                 postscale_gradients: bool = True, gradient_average: bool = True):
+                 postscale_gradients: bool = True, gradient_average: bool = True,
+                 offload: OffloadSettings | None = None):
         super().__init__()
+        # offload_optimizer: the owned masters and state move to the host once the subclass has built them.
+        self.offload_settings = offload
+        self.offload: OptimizerOffload | None = None
         self.optimizer = optimizer
         self._expose_state_api()
         self.fragments: FragmentAPI | None = None  # set by _expose_fragment_api once the parameters are placed
@@ -195,6 +200,13 @@ class OwnerRuntime(ZeROOptimizer):
         """Whether this rank adds the item's squared norm (the tensor-parallel runtime counts replicas once)."""
         return True
 
+    def _offload_owned(self, view_of) -> None:
+        """With offload_optimizer: move the owned masters and state to the host (``view_of(item)``: its device view)."""
+        if self.offload_settings is not None:
+            self.offload = OptimizerOffload(self._owned, view_of, self.offload_settings, device=self.device)
+            if self.config.log_plan and dist.get_rank() == 0:
+                print(f"ds_canzona {self.offload.summary()}", flush=True)
+
     def _update_and_publish(self, grads: list[torch.Tensor]) -> None:
         """Update the owned items, then make the new values the parameters (ZeRO-1/2 interleaves the two)."""
         self._update_owned(grads)
@@ -202,6 +214,9 @@ class OwnerRuntime(ZeROOptimizer):
 
     def _update_owned(self, grads: list[torch.Tensor]) -> None:
         """Run each group's per-tensor rule on the owned items of that group (``grads`` in ``_owned`` order first)."""
+        if self.offload is not None:  # the same rules, with the state streamed from the host (zero/offload.py)
+            self.offload.update_(self._owned, grads[:len(self._owned)], self.optimizer.param_groups)
+            return
         self._run_rules(list(zip(self._owned, grads[:len(self._owned)])))
 
     def _run_rules(self, work: list[tuple[OwnedTensor, torch.Tensor]]) -> None:

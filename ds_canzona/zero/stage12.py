@@ -57,6 +57,7 @@ from ds_canzona.plan.report import format_collective_forms
 from ds_canzona.zero.comm import all_gather_bucket, backend_name, check_digest_agreement, reduce_scatter_bucket
 from ds_canzona.zero.compat import at_accumulation_boundary
 from ds_canzona.zero.layout import BufferLayout
+from ds_canzona.zero.offload import OffloadedDeviceMemory
 from ds_canzona.zero.owned import GradientAfterReductionError, OwnedTensor
 from ds_canzona.zero.owner_runtime import OwnerRuntime
 from ds_canzona.zero.streams import StreamOrder
@@ -88,13 +89,14 @@ class CanzonaZeroOptimizer(OwnerRuntime):
                  static_loss_scale: float = 1.0, dynamic_loss_scale: bool = False, dynamic_loss_args=None,
                  grad_accum_dtype: torch.dtype | None = None, communication_dtype: torch.dtype | None = None,
                  gradient_predivide_factor: float = 1.0, postscale_gradients: bool = True,
-                 gradient_average: bool = True):
+                 gradient_average: bool = True, offload=None):
         if stage not in (1, 2):
             raise ValueError(f"ds_canzona supports ZeRO stage 1 and 2, got {stage=}")
         super().__init__(optimizer, param_names=param_names, config=config, stage=stage,
                          dp_process_group=dp_process_group, clip_grad=clip_grad, grad_accum_dtype=grad_accum_dtype,
                          communication_dtype=communication_dtype, gradient_predivide_factor=gradient_predivide_factor,
-                         postscale_gradients=postscale_gradients, gradient_average=gradient_average)
+                         postscale_gradients=postscale_gradients, gradient_average=gradient_average,
+                         offload=offload)
 
         self.plan = self._make_plan(bucket_numel)
         self.layout = self._buffer_layout()
@@ -109,6 +111,7 @@ class CanzonaZeroOptimizer(OwnerRuntime):
         self._index_tensors()
         self._build_buffers()
         self._owned = self._build_owned_state()
+        self._offload_owned(self.item_view)
         # Stage 2 reduce-scatters a bucket during backward once all its tensors' gradients are in.
         # Turned off for good the first time a gradient arrives twice in one backward: this model's
         # gradients are then not final when they first arrive (see _record_arrival).
@@ -141,14 +144,29 @@ class CanzonaZeroOptimizer(OwnerRuntime):
         except MemoryCapError as error:  # before any buffer is allocated
             raise CanzonaConfigError(f"{CANZONA_SECTION}.{error}") from None
 
-    def _plan_memory_model(self) -> StateMemory:
+    def _plan_memory_model(self):
+        """The memory the plan balances second: the owner's bytes per item (``_state_memory_model``).
+
+        With offload_optimizer and ``canzona.max_state_bytes_per_rank`` the cap is on device bytes,
+        so the plan counts those (``OffloadedDeviceMemory``: the gradient segment). Without a cap
+        it balances all of the owner's bytes, host and device, as without offload: the plan, and so
+        the order of every reduction, is then the same offloaded or not.
+        """
+        model = self._state_memory_model()
+        if self.offload_settings is not None and self.config.max_state_bytes_per_rank is not None:
+            return OffloadedDeviceMemory(model)
+        return model
+
+    def _state_memory_model(self) -> StateMemory:
         """What each item pins on its owner: masters (non-fp32 models), the rule's state, the gradient segment."""
         param_bytes = self.params[0].element_size()  # one dtype across the model (checked above)
         matrix_groups = [g for g in self.optimizer.param_groups if g["kind"] != "adamw"]
         if not matrix_groups:
-            return memory_model("muon", param_bytes=param_bytes)
-        return memory_model(matrix_groups[0]["kind"], param_bytes=param_bytes,
-                            **rule_for_group(matrix_groups[0]).cost_options())
+            model = memory_model("muon", param_bytes=param_bytes)
+        else:
+            model = memory_model(matrix_groups[0]["kind"], param_bytes=param_bytes,
+                                 **rule_for_group(matrix_groups[0]).cost_options())
+        return model
 
     def _choose_collective_forms(self) -> BucketForms:
         """Each bucket's collectives, grouped or padded: a function of the cuts and the config, so every rank agrees."""
@@ -174,8 +192,15 @@ class CanzonaZeroOptimizer(OwnerRuntime):
             by_cost = sorted(ranks, key=lambda r: (costs[r], r))
             fullest = max(ranks, key=lambda r: (state[r], -r))
             ranks = sorted(set(by_cost[:2] + by_cost[-2:] + [fullest]))
+        split = None if self.offload_settings is None else OffloadedDeviceMemory(self._state_memory_model())
         for r in ranks:
-            lines.append(f"  rank {r}: cost {costs[r]:.3e}, {state[r]:.0f} state bytes, {numels[r]} elements, "
+            if split is None:
+                where = f"{state[r]:.0f} state bytes"
+            else:  # offloaded: the gradient segments on the device, the masters and state in host memory
+                items = [plan.specs[j] for j in plan.owned_params(r)]
+                where = (f"{sum(map(split.bytes, items)):.0f} state bytes on the device, "
+                         f"{sum(map(split.host_bytes, items)):.0f} in host memory")
+            lines.append(f"  rank {r}: cost {costs[r]:.3e}, {where}, {numels[r]} elements, "
                          f"{len(plan.owned_params(r))} items")
         lines.extend("  " + line for line in format_collective_forms(self.collective_forms).splitlines())
         return "\n".join(lines)
@@ -496,9 +521,10 @@ class CanzonaZeroOptimizer(OwnerRuntime):
         every rank, the order the collectives must agree on. Every item's update depends on its
         own gradient and state only, so the order changes no bits. A subclass that updates more
         than the owned items (the tensor-parallel runtime's hosted matrices, whose slices land
-        in these buckets after the exchange) keeps the plain order: update all, then gather.
+        in these buckets after the exchange) keeps the plain order: update all, then gather; so
+        does optimizer offload, whose staged waves cross bucket boundaries (zero/offload.py).
         """
-        if type(self)._update_owned is not OwnerRuntime._update_owned:
+        if self.offload is not None or type(self)._update_owned is not OwnerRuntime._update_owned:
             super()._update_and_publish(grads)
             return
         by_bucket: list[list[tuple[OwnedTensor, torch.Tensor]]] = [[] for _ in self.plan.buckets]
@@ -523,7 +549,10 @@ class CanzonaZeroOptimizer(OwnerRuntime):
     @torch.no_grad()
     def refresh_params_from_masters(self) -> None:
         """Write owned masters into the low-precision params and all-gather every bucket."""
-        self._write_masters(self._owned)
+        if self.offload is not None:
+            self.offload.write_views(self._owned)  # host masters; right after an offloaded step, already written
+        else:
+            self._write_masters(self._owned)
         for b in range(len(self.plan.buckets)):
             self._gather_bucket(b)
         self.streams.compute_waits()

@@ -107,11 +107,12 @@ class CanzonaZero3Optimizer(OwnerRuntime):
                  static_loss_scale: float = 1.0, dynamic_loss_scale: bool = False, dynamic_loss_args=None,
                  grad_accum_dtype: torch.dtype | None = None, communication_dtype: torch.dtype | None = None,
                  gradient_predivide_factor: float = 1.0, postscale_gradients: bool = True,
-                 gradient_average: bool = True, reduce_bucket_numel: int | None = None):
+                 gradient_average: bool = True, reduce_bucket_numel: int | None = None, offload=None):
         super().__init__(optimizer, param_names=param_names, config=config, stage=3,
                          dp_process_group=dp_process_group, clip_grad=clip_grad, grad_accum_dtype=grad_accum_dtype,
                          communication_dtype=communication_dtype, gradient_predivide_factor=gradient_predivide_factor,
-                         postscale_gradients=postscale_gradients, gradient_average=gradient_average)
+                         postscale_gradients=postscale_gradients, gradient_average=gradient_average,
+                         offload=offload)
         self.module = module
         self.logical_shapes = [logical_shape(p) for p in self.params]  # ds_shape under zero.Init
 
@@ -146,6 +147,7 @@ class CanzonaZero3Optimizer(OwnerRuntime):
                 p for p in self.parameter_offload.persistent_parameters if id(p) not in placed]
 
         self._owned = self._build_owned_state()
+        self._offload_owned(self.item_shard)
         # Where streams are real, the reduces and the owner's accumulation run on a reduction stream.
         self.streams = StreamOrder()
         self._accumulated: list[torch.Tensor | None] = [None] * len(self.plan.specs)  # per item, on its owner
@@ -403,7 +405,9 @@ class CanzonaZero3Optimizer(OwnerRuntime):
 
     @torch.no_grad()
     def write_masters_to_shards(self) -> None:
-        for t in self._owned:
+        if self.offload is not None:
+            self.offload.write_views(self._owned)  # host masters; right after an offloaded step, already written
+        for t in self._owned if self.offload is None else ():
             shard = self.item_shard(t.index)
             if t.master.data_ptr() != shard.data_ptr():  # fp32: the master is the shard itself
                 shard.copy_(t.master)

@@ -74,8 +74,7 @@ def _check_stage_and_optimizer(engine) -> None:
         raise _refuse(f"zero_optimization.stage {stage}", "use stage 1, 2 or 3")
     if stage == 3:
         _check_stage3(engine)
-    if engine.zero_cpu_offload():
-        raise _refuse("zero_optimization.offload_optimizer", "remove it (optimizer state stays on the device)")
+    _check_offload(engine)
     name = engine.optimizer_name()
     if engine.client_optimizer is None and name is None:
         raise CanzonaConfigError(
@@ -87,6 +86,29 @@ def _check_stage_and_optimizer(engine) -> None:
                                  f"got optimizer.type {name!r}")
 
 
+_OFFLOAD_SUPPORTED = ("offload_optimizer {\"device\": \"cpu\"} (ratio 1, pin_memory true or false) at stages 1, 2 "
+                      "and 3 is supported")
+
+
+def _check_offload(engine) -> None:
+    """Optimizer offload to the host (ds_canzona.zero.offload) is built; NVMe, partial and super offload are not."""
+    offload = engine.zero_offload_optimizer()
+    device = str(getattr(getattr(offload, "device", "none"), "value", getattr(offload, "device", "none")))
+    if offload is None or device == "none":
+        return
+    if device != "cpu":
+        raise _refuse(f"zero_optimization.offload_optimizer.device {device!r}", f"{_OFFLOAD_SUPPORTED}; use device cpu")
+    ratio = float(getattr(offload, "ratio", 1.0))
+    if ratio != 1.0:
+        raise _refuse(f"zero_optimization.offload_optimizer.ratio {ratio} (partial offload)",
+                      f"{_OFFLOAD_SUPPORTED}: every owned item's state goes to the host; set ratio to 1 or remove it")
+    if getattr(offload, "super_offload", False):
+        raise _refuse("zero_optimization.offload_optimizer.super_offload", f"{_OFFLOAD_SUPPORTED}; remove the key")
+    if autotp_size(engine) > 1:
+        raise _refuse(f"zero_optimization.offload_optimizer with tensor_parallel.autotp_size {autotp_size(engine)}",
+                      f"{_OFFLOAD_SUPPORTED} with data parallelism only; remove one of them")
+
+
 def _check_stage3(engine) -> None:
     """Stage 3 (owner placement): DeepSpeed's parameter layout features that would fight it are refused."""
     import deepspeed
@@ -94,9 +116,8 @@ def _check_stage3(engine) -> None:
     offload_param = engine.zero_offload_param()
     if offload_param is not None and getattr(offload_param, "device", "none") not in (None, "none"):
         raise _refuse("zero_optimization.offload_param at stage 3",
-                      "remove it (each parameter's shard is the whole tensor on its owner's device)")
-    if hasattr(engine, "super_offload") and engine.super_offload():
-        raise _refuse("zero_optimization.super_offload", "remove it")
+                      "remove it (each parameter's shard is the whole tensor on its owner's device, and the "
+                      "fetch broadcasts it from there; offload_optimizer {\"device\": \"cpu\"} is supported)")
     section = engine._config._param_dict.get("canzona") or {}
     if section.get("max_state_bytes_per_rank") is not None:
         raise CanzonaConfigError(
