@@ -102,12 +102,9 @@ class FragmentAPI:
             param._hp_mapping = OwnerMapping(name=runtime.names[i], items=tuple(self.items_of[i]),
                                              owners=tuple(runtime.plan.owner[j] for j in self.items_of[i]))
             param.get_full_hp_param = functools.partial(self.full_value, i)
-            param.set_full_hp_param = functools.partial(self._set_value_positional, i)
+            param.set_full_hp_param = functools.partial(self.set_value, i)
             param.get_full_hp_grad = functools.partial(self.full_grad, i)
             param.set_full_hp_grad = functools.partial(self.set_grad, i)
-
-    def _set_value_positional(self, tensor: int, value: torch.Tensor, optim_state_key: str | None = None) -> None:
-        self.set_value(tensor, value, optim_state_key)
 
     # ------------------------------------------------------------------ ZeRO-3: DeepSpeed's _z3_optimizer methods
     def _trained(self, param) -> int | None:
