@@ -35,8 +35,8 @@ def test_cost_model_picks_padded_when_launches_outweigh_the_padding():
     costs = CollectiveCosts(launch_s=5e-6, bytes_per_s=50e9)
     cuts = (0, 100, 250, 250, 400)  # sizes 100, 150, 0, 150: padding 4 * 150 - 400 = 200 elements
     assert padding_numel(cuts) == 200
-    # 4 ops of 10 us each against one op, the staging and 800 bytes: padded.
-    assert costs.grouped_s(cuts) == pytest.approx(4 * 5e-6 * 2)
+    # 3 ops (the empty segment issues none) of 10 us each against one op, the staging and 800 bytes: padded.
+    assert costs.grouped_s(cuts) == pytest.approx(3 * 5e-6 * 2)
     assert costs.padded_s(cuts, 4) == pytest.approx(5e-6 * 2 + 2 * 5e-6 + 800 / 50e9)
     assert choose_form(cuts, element_bytes=4, backend="nccl") == "padded"
     # The same cuts scaled up until the padding costs more on the wire than the launches save.
@@ -50,36 +50,45 @@ def test_cost_model_picks_padded_when_launches_outweigh_the_padding():
     assert choose_form((0, 10**9, 2 * 10**9), element_bytes=4, backend="nccl") == "padded"
 
 
-def test_latency_grows_with_the_ring_and_the_gain_with_the_world():
-    from ds_canzona.plan.collectives import CollectiveCosts, choose_form
+def test_latency_grows_with_the_ring_and_grouped_pays_for_non_empty_segments_only():
+    from ds_canzona.plan.collectives import CollectiveCosts, choose_form, nonempty_segments
 
     costs = CollectiveCosts()
     assert costs.latency_s(2) == costs.latency_s(1) == costs.launch_s
     assert costs.latency_s(1024) == pytest.approx(10 * costs.launch_s)
-    # One bucket shape, one rank holding everything: at DP=8 the padding (7 x the bucket) is too
-    # much, at DP=1024 the 1024 launches cost more than the padding does.
+    # One rank holding the whole bucket: one reduce / broadcast, however many ranks; padding can only lose.
     numel = 2_000_000
-    at_8 = (0, numel) + (numel,) * 7
-    at_1024 = (0, numel // 64) + (numel // 64,) * 1023
-    assert choose_form(at_8, element_bytes=2, backend="nccl") == "grouped"
-    assert choose_form(at_1024, element_bytes=2, backend="nccl") == "padded"
+    at_1024 = (0, numel) + (numel,) * 1023
+    assert nonempty_segments(at_1024) == 1
+    assert costs.grouped_s(at_1024) == pytest.approx(costs.latency_s(1024))
+    assert choose_form(at_1024, element_bytes=2, backend="nccl") == "grouped"
+    # 256 equal owners among 1024 ranks: 256 launches of 50 us against one collective and 768
+    # empty slots of padding: at small segments padded wins, at large ones the padding costs more.
+    small = tuple(min(r, 256) * 1_000 for r in range(1025))
+    large = tuple(min(r, 256) * 1_000_000 for r in range(1025))
+    assert nonempty_segments(small) == nonempty_segments(large) == 256
+    assert choose_form(small, element_bytes=2, backend="nccl") == "padded"
+    assert choose_form(large, element_bytes=2, backend="nccl") == "grouped"
 
 
 def test_settings_override_gloo_and_one_rank():
     from ds_canzona.plan.collectives import bucket_forms, choose_form
 
-    cuts = (0, 10, 30, 30)
+    cuts = (0, 10, 20, 30, 30)  # 3 reduces of 10 us against one collective, the staging and 10 elements of padding
     assert choose_form(cuts, element_bytes=4, backend="gloo") == "grouped"  # gloo's default: measured
     assert choose_form(cuts, element_bytes=4, backend="nccl") == "padded"
     assert choose_form(cuts, element_bytes=4, backend="nccl", setting="grouped") == "grouped"
     assert choose_form(cuts, element_bytes=4, backend="gloo", setting="padded") == "padded"
     assert choose_form((0, 7), element_bytes=4, backend="nccl", setting="padded") == "grouped"  # no collective
-    forms = bucket_forms([cuts, (0, 5, 10, 15)], reduce_scatter_bytes=4, all_gather_bytes=2, backend="nccl")
-    assert forms.reduce_scatter == forms.all_gather == ("padded", "padded")
-    # 3 * 20 - 30 = 30 padding elements in the first bucket, none in the second.
-    assert (forms.reduce_scatter_summary.padding_bytes, forms.all_gather_summary.padding_bytes) == (120, 60)
-    assert forms.reduce_scatter_summary.bucket_bytes == 45 * 4
-    assert forms.all_gather_summary.padding_fraction == pytest.approx(60 / 90)
+    forms = bucket_forms([cuts, (0, 5, 10, 15, 20), (0, 8, 8, 8, 8)], reduce_scatter_bytes=4, all_gather_bytes=2,
+                         backend="nccl")
+    # The third bucket has one owner: one operation, grouped.
+    assert forms.reduce_scatter == forms.all_gather == ("padded", "padded", "grouped")
+    # 4 * 10 - 30 = 10 padding elements in the first bucket, none in the second (equal), none taken in the third.
+    assert (forms.reduce_scatter_summary.padding_bytes, forms.all_gather_summary.padding_bytes) == (40, 20)
+    assert forms.reduce_scatter_summary.bucket_bytes == 58 * 4
+    assert forms.all_gather_summary.padding_fraction == pytest.approx(20 / 116)
+    assert forms.reduce_scatter_summary.operations == forms.all_gather_summary.operations == 1 + 1 + 1
 
 
 @pytest.mark.parametrize("bad", [{"setting": "fast"}, {"cuts": (0, 5, 3)}, {"cuts": (0,)}])
