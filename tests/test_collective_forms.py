@@ -158,14 +158,23 @@ def _forms_ranks_with_layout(rank: int, world_size: int) -> dict:
         return engine
 
     zero_workers.init_engine = init_and_keep
+    import ds_canzona.zero.comm as bucket_comm
+
     out = {}
-    for name, stage, collectives in (("grouped2", 2, "grouped"), ("padded2", 2, "padded"), ("padded1", 1, "padded")):
+    for name, stage, collectives in (("grouped2", 2, "grouped"), ("padded2", 2, "padded"), ("padded1", 1, "padded"),
+                                     ("owners2", 2, "grouped"), ("owners1", 1, "grouped")):
+        # owners*: the grouped reduce-scatter of other backends (a reduce per non-empty segment) run on gloo.
+        bucket_comm._REDUCE_TO_OWNERS_ON_GLOO = name.startswith("owners")
         config = zero_workers.make_config(world_size, stage=stage, canzona={"collectives": collectives})
-        result = zero_workers.train(rank, world_size, config, STEPS, model_name="gridded")
+        try:
+            result = zero_workers.train(rank, world_size, config, STEPS, model_name="gridded")
+        finally:
+            bucket_comm._REDUCE_TO_OWNERS_ON_GLOO = False
         zero = captured["zero"]
         result["cuts"] = zero.layout.bucket_cuts
         result["forms"] = (zero.collective_forms.reduce_scatter, zero.collective_forms.all_gather)
         result["calls"] = dict(zero.comm.calls)
+        result["operations"] = dict(zero.comm.operations)
         result["padding"] = dict(zero.comm.padding)
         out[name] = result
     return out
@@ -181,24 +190,33 @@ def test_padded_and_grouped_forms_are_bitwise_equal_and_the_single_process_step(
     assert any(0 in s for s in sizes), f"no bucket has an empty segment: {sizes}"
     assert any(len({x for x in s if x}) > 1 for s in sizes), f"no bucket has uneven non-empty segments: {sizes}"
     buckets = len(cuts)
-    assert rank0["grouped2"]["forms"] == (("grouped",) * buckets,) * 2
+    assert rank0["grouped2"]["forms"] == rank0["owners2"]["forms"] == (("grouped",) * buckets,) * 2
+    # The list reduce-scatter counts P operations per bucket, the reduces to the owners one per non-empty segment.
+    nonempty = sum(sum(size > 0 for size in s) for s in sizes)
+    for lists, owners in (("grouped2", "owners2"), ("padded1", "owners1")):
+        launches = rank0[owners]["calls"]["reduce_scatter"]  # one per bucket per reduction (stage 2: per micro-batch)
+        assert launches == rank0[lists]["calls"]["reduce_scatter"] and launches % buckets == 0
+        assert rank0[owners]["operations"]["reduce_scatter"] == nonempty * launches // buckets
+    assert rank0["grouped2"]["operations"]["reduce_scatter"] == 3 * rank0["grouped2"]["calls"]["reduce_scatter"]
     for name in ("padded2", "padded1"):
         assert rank0[name]["forms"] == (("padded",) * buckets,) * 2
         assert rank0[name]["padding"]["reduce_scatter"] > 0 and rank0[name]["padding"]["all_gather"] > 0
     assert "all_gather" not in rank0["grouped2"]["calls"]  # gloo's grouped all-gather: broadcasts
-    for name in ("grouped2", "padded2", "padded1"):
+    for name in ("grouped2", "padded2", "padded1", "owners2", "owners1"):
         results = [r[name] for r in gloo_runs]
         for r in results[1:]:
             assert_params_equal(results[0]["params"], r["params"])
         replay = single_process_replay(BASE_CONFIG["optimizer"], merged_grads(results), clip=1.0)
         assert_params_equal(results[0]["params"], replay)
     assert_params_equal(rank0["grouped2"]["params"], rank0["padded2"]["params"])
-    assert_params_equal(rank0["grouped2"]["params"], rank0["padded1"]["params"])
+    for name in ("padded1", "owners2", "owners1"):
+        assert_params_equal(rank0["grouped2"]["params"], rank0[name]["params"])
 
 
 # --------------------------------------------------------------------------- launches at DP=64, one process
 FAKE_WORLD = 64
-BUCKET_COLLECTIVES = ("reduce_scatter", "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor", "broadcast")
+BUCKET_COLLECTIVES = ("reduce_scatter", "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor", "broadcast",
+                      "reduce")
 
 
 class _Done:
@@ -207,18 +225,20 @@ class _Done:
 
 
 def _record_bucket_collectives(log: list):
-    """deepspeed.comm's bucket collectives, recorded as (name, operations inside) while ``log`` is switched on.
+    """deepspeed.comm's bucket collectives and the grouped launches around them, recorded while ``log`` is on.
 
-    The fake backend does nothing with a collective and rejects uneven all-gathers, so an uneven
-    list is recorded and not passed on (a reduce-scatter's output gets zeros: the step stays finite).
+    A call is logged as its name; a grouped launch (``LaunchGroup``) as ("launch", the names issued
+    inside it). The fake backend does nothing with a collective and rejects uneven lists, so an
+    uneven list is recorded and not passed on (a reduce-scatter's output gets zeros: the step stays finite).
     """
     import deepspeed.comm as dist
+    from ds_canzona.zero.stage3_comm import LaunchGroup
 
     def wrap(name, original):
         def recorded(*args, **kwargs):
             listed = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, list)), None)
             if log and log[0] == "on":
-                log.append((name, len(listed) if listed is not None else 1))
+                (log[-1][1] if log[-1] and isinstance(log[-1], tuple) and log[-1][0] == "open" else log).append(name)
             if listed is not None and len({t.numel() for t in listed}) > 1:
                 output = args[0] if args else kwargs.get("output")
                 if name == "reduce_scatter":
@@ -229,6 +249,19 @@ def _record_bucket_collectives(log: list):
 
     for name in BUCKET_COLLECTIVES:
         setattr(dist, name, wrap(name, getattr(dist, name)))
+    enter, leave = LaunchGroup.__enter__, LaunchGroup.__exit__
+
+    def entered(self):
+        if log and log[0] == "on":
+            log.append(("open", []))
+        return enter(self)
+
+    def left(self, *exc):
+        if log and log[0] == "on":
+            log[-1] = ("launch", tuple(log[-1][1]))
+        return leave(self, *exc)
+
+    LaunchGroup.__enter__, LaunchGroup.__exit__ = entered, left
 
 
 def _launches_at_64(rank: int, world_size: int) -> dict:
@@ -240,7 +273,7 @@ def _launches_at_64(rank: int, world_size: int) -> dict:
     with fake_world(0, FAKE_WORLD):
         log: list = ["off"]
         _record_bucket_collectives(log)
-        for collectives in ("default", "grouped"):  # default: padded here (checked); "padded" runs on gloo
+        for collectives in ("default", "grouped"):  # "padded" runs on gloo
             config = zero_workers.make_config(FAKE_WORLD, stage=2, gradient_accumulation_steps=1,
                                               canzona={"collectives": collectives})
             engine = zero_workers.init_engine(config)
@@ -249,7 +282,7 @@ def _launches_at_64(rank: int, world_size: int) -> dict:
             log[:] = ["on"]
             engine.backward(engine(batches(0, 0, 0, FAKE_WORLD)))
             engine.step()
-            out[collectives] = {"calls": log[1:], "buckets": len(zero.plan.buckets),
+            out[collectives] = {"calls": log[1:], "cuts": zero.layout.bucket_cuts,
                                 "forms": (zero.collective_forms.reduce_scatter, zero.collective_forms.all_gather),
                                 # what CommCounter counted for the buckets (the norm's all-reduce left out)
                                 "operations": {k: zero.comm.operations[k] for k in ("reduce_scatter", "all_gather")},
@@ -258,21 +291,43 @@ def _launches_at_64(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_padded_launches_once_per_bucket_and_grouped_once_per_rank_at_dp64():
+def _expected_launches(cuts, forms) -> tuple[list, dict]:
+    """Per bucket and collective: one padded call, or one grouped launch of a reduce / broadcast per non-empty segment."""
+    from ds_canzona.plan.collectives import nonempty_segments
+
+    calls, operations = [], {"reduce_scatter": 0, "all_gather": 0}
+    for kind, kind_forms, padded_name, rooted in (("reduce_scatter", forms[0], "reduce_scatter_tensor", "reduce"),
+                                                  ("all_gather", forms[1], "all_gather_into_tensor", "broadcast")):
+        for bucket_cuts, form in zip(cuts, kind_forms):
+            if form == "padded":
+                calls.append(padded_name)
+                operations[kind] += 1
+            else:
+                calls.append(("launch", (rooted,) * nonempty_segments(bucket_cuts)))
+                operations[kind] += nonempty_segments(bucket_cuts)
+    return calls, operations
+
+
+def test_grouped_launches_once_per_bucket_with_one_operation_per_non_empty_segment_at_dp64():
+    from ds_canzona.plan.collectives import bucket_forms
+
     (runs,) = run_ranks(_launches_at_64, 1, timeout=600)
-    buckets = runs["default"]["buckets"]
+    cuts = runs["grouped"]["cuts"]
+    buckets = len(cuts)
     assert buckets > 1
-    # The cost model at DP=64: 64 launches of 30 us per bucket outweigh a few KB of padding.
-    assert runs["default"]["forms"] == (("padded",) * buckets,) * 2
-    padded = runs["default"]["calls"]
-    assert sorted(padded) == sorted([("reduce_scatter_tensor", 1)] * buckets + [("all_gather_into_tensor", 1)] * buckets)
-    assert runs["default"]["operations"] == {"reduce_scatter": buckets, "all_gather": buckets}
-    grouped = runs["grouped"]["calls"]
-    # One uneven list per bucket and collective: torch runs each as 64 ncclReduce / ncclBroadcast.
-    assert sorted(grouped) == sorted([("reduce_scatter", FAKE_WORLD)] * buckets + [("all_gather", FAKE_WORLD)] * buckets)
-    assert runs["grouped"]["operations"] == {"reduce_scatter": FAKE_WORLD * buckets, "all_gather": FAKE_WORLD * buckets}
-    assert runs["grouped"]["counted_calls"] == runs["default"]["counted_calls"] == {"reduce_scatter": buckets,
-                                                                                    "all_gather": buckets}
+    segments = sum(sum(b > a for a, b in zip(c, c[1:])) for c in cuts)
+    assert segments < FAKE_WORLD * buckets  # empty segments exist, so fewer operations than an uneven list's P
+    # The default is the cost model's choice on a backend that is not gloo (fp32 gradients and parameters here).
+    chosen = bucket_forms(cuts, reduce_scatter_bytes=4, all_gather_bytes=4, backend="fake")
+    assert runs["default"]["forms"] == (chosen.reduce_scatter, chosen.all_gather)
+    assert "padded" in chosen.reduce_scatter  # the padded path runs too
+    assert runs["grouped"]["forms"] == (("grouped",) * buckets,) * 2
+    for name in ("default", "grouped"):
+        calls, operations = _expected_launches(cuts, runs[name]["forms"])
+        assert sorted(map(str, runs[name]["calls"])) == sorted(map(str, calls)), name
+        assert runs[name]["operations"] == operations, name
+        assert runs[name]["counted_calls"] == {"reduce_scatter": buckets, "all_gather": buckets}, name
+    assert runs["grouped"]["operations"] == {"reduce_scatter": segments, "all_gather": segments}
 
 
 def test_bucket_collectives_refuse_an_unknown_form_and_a_short_output():
