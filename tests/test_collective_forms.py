@@ -3,16 +3,18 @@
 - The choice (``ds_canzona.plan.collectives``) in one process: the cost model in both directions,
   the override, the constants, invalid settings; the config key's errors.
 - Equal results, on 3 gloo ranks (one spawn): the tiny model's buckets at DP=3 have uneven
-  segments and empty ones. Stage 2 grouped and padded, and stage 1 padded, train 3 steps on
+  segments and empty ones. Stage 2 grouped and padded, stage 1 padded, and stages 2 and 1 with the
+  grouped reduce-scatter of other backends (a reduce per non-empty segment, switched on for gloo), train 3 steps on
   gradients rounded to multiples of 2**-20 (so the sum over ranks is exact in fp32 whatever
   order a collective adds in: gloo's list reduce-scatter and its reduce_scatter_tensor add in
   different orders at DP>=3, and so would NCCL's ncclReduce and ncclReduceScatter). The
-  parameters of all three are bitwise equal, and equal the single-process optimizer fed the
+  parameters of all five are bitwise equal, and equal the single-process optimizer fed the
   runtime's averaged gradients.
 - Launches at DP=64, in one process on torch's fake process group: the padded form issues one
-  reduce_scatter_tensor and one all_gather_into_tensor per bucket; the grouped form one uneven
-  list call per bucket with 64 segments (torch runs it as 64 rank-rooted NCCL operations). The
-  default is the padded form here (the cost model on a backend that is not gloo, small buckets).
+  reduce_scatter_tensor and one all_gather_into_tensor per bucket; the grouped form one grouped
+  launch per bucket and collective holding a reduce (or broadcast) per non-empty segment, counted
+  from the cuts (fewer than 64: most ranks own nothing in a bucket). The default is the cost
+  model's choice for each bucket (padded for some here).
 """
 
 from __future__ import annotations
@@ -338,3 +340,17 @@ def test_bucket_collectives_refuse_an_unknown_form_and_a_short_output():
         all_gather_bucket(flat, cuts, 0, "default", group=None, counter=CommCounter())
     with pytest.raises(ValueError, match="writes 5 elements"):  # before any collective is issued
         reduce_scatter_bucket(torch.zeros(1), flat, cuts, "padded", group=None, counter=CommCounter(), async_op=False)
+
+
+def test_plan_report_counts_the_operations_of_the_chosen_forms():
+    from ds_canzona.plan.collectives import bucket_forms
+    from ds_canzona.plan.report import format_collective_forms
+
+    # One owner of 4 (grouped: 1 operation) and 3 owners of 4 forced grouped (3 operations).
+    forms = bucket_forms([(0, 8, 8, 8, 8), (0, 4, 4, 9, 12)], reduce_scatter_bytes=4, all_gather_bytes=2,
+                         backend="nccl", setting="grouped")
+    assert forms.reduce_scatter_summary.operations == forms.all_gather_summary.operations == 4
+    assert "2 grouped, 4 operations" in format_collective_forms(forms)
+    padded = bucket_forms([(0, 8, 8, 8, 8), (0, 4, 4, 9, 12)], reduce_scatter_bytes=4, all_gather_bytes=2,
+                          backend="nccl", setting="padded")
+    assert "2 buckets padded, 0 grouped, 2 operations" in format_collective_forms(padded)
