@@ -108,7 +108,8 @@ def reduce_scatter_bucket(out: torch.Tensor, flat: torch.Tensor, cuts: tuple[int
     """Sum ``flat`` over ranks; this rank's segment [cuts[r], cuts[r+1]) of the sum lands at the start of ``out``.
 
     Returns (work handle or None, the tensor the collective reads): keep that tensor alive until
-    the collective is done (it is ``flat`` itself unless the padded form staged a copy).
+    the collective is done (it is ``flat`` itself unless the padded form staged a copy). The
+    grouped form outside gloo reduces in place, so ``flat`` holds no gradient to read afterwards.
     """
     _check_form(form)
     world = len(cuts) - 1
