@@ -88,9 +88,10 @@ class CanzonaConfig(DeepSpeedConfigModel):
     hung peer makes every collective (steps, checkpoint saves and loads) raise within this bound."""
 
     collectives: Literal["default", "grouped", "padded"] = "default"
-    """Form of each bucket's reduce-scatter and all-gather (stages 1/2): the uneven lists (grouped; on NCCL one
-    rank-rooted operation per rank), one equal-size collective over segments padded to the bucket's largest (padded),
-    or per bucket whichever the cost model prices lower (default; grouped on gloo). ds_canzona.plan.collectives.
+    """Form of each bucket's reduce-scatter and all-gather (stages 1/2): one rank-rooted reduce /
+    broadcast per non-empty segment in one grouped launch (grouped; gloo: the uneven list reduce-scatter
+    and single broadcasts), one equal-size collective over segments padded to the bucket's largest
+    (padded), or per bucket whichever the cost model prices lower (default; grouped on gloo). ds_canzona.plan.collectives.
     ZeRO-3: "grouped" issues each fetch's broadcasts, each gradient bucket's reduces and the post-step refresh of
     persistent parameters as one grouped launch (one NCCL group; gloo cannot group and runs them one by one);
     "padded" issues each as one equal-size all_gather_into_tensor / reduce_scatter_tensor, every owner's segment

@@ -93,7 +93,8 @@ def _forms_document(forms: BucketForms) -> dict[str, Any]:
     return {"setting": forms.setting, "backend": forms.backend,
             **{name: {"forms": list(getattr(forms, name)), "padded": summary.padded, "grouped": summary.grouped,
                       "padding_bytes": summary.padding_bytes, "bucket_bytes": summary.bucket_bytes,
-                      "grouped_s": summary.grouped_s, "padded_s": summary.padded_s}
+                      "grouped_s": summary.grouped_s, "padded_s": summary.padded_s,
+                      "operations": summary.operations}
                for name, summary in summaries.items()}}
 
 

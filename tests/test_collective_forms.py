@@ -3,16 +3,18 @@
 - The choice (``ds_canzona.plan.collectives``) in one process: the cost model in both directions,
   the override, the constants, invalid settings; the config key's errors.
 - Equal results, on 3 gloo ranks (one spawn): the tiny model's buckets at DP=3 have uneven
-  segments and empty ones. Stage 2 grouped and padded, and stage 1 padded, train 3 steps on
+  segments and empty ones. Stage 2 grouped and padded, stage 1 padded, and stages 2 and 1 with the
+  grouped reduce-scatter of other backends (a reduce per non-empty segment, switched on for gloo), train 3 steps on
   gradients rounded to multiples of 2**-20 (so the sum over ranks is exact in fp32 whatever
   order a collective adds in: gloo's list reduce-scatter and its reduce_scatter_tensor add in
   different orders at DP>=3, and so would NCCL's ncclReduce and ncclReduceScatter). The
-  parameters of all three are bitwise equal, and equal the single-process optimizer fed the
+  parameters of all five are bitwise equal, and equal the single-process optimizer fed the
   runtime's averaged gradients.
 - Launches at DP=64, in one process on torch's fake process group: the padded form issues one
-  reduce_scatter_tensor and one all_gather_into_tensor per bucket; the grouped form one uneven
-  list call per bucket with 64 segments (torch runs it as 64 rank-rooted NCCL operations). The
-  default is the padded form here (the cost model on a backend that is not gloo, small buckets).
+  reduce_scatter_tensor and one all_gather_into_tensor per bucket; the grouped form one grouped
+  launch per bucket and collective holding a reduce (or broadcast) per non-empty segment, counted
+  from the cuts (fewer than 64: most ranks own nothing in a bucket). The default is the cost
+  model's choice for each bucket (padded for some here).
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ def test_cost_model_picks_padded_when_launches_outweigh_the_padding():
     costs = CollectiveCosts(launch_s=5e-6, bytes_per_s=50e9)
     cuts = (0, 100, 250, 250, 400)  # sizes 100, 150, 0, 150: padding 4 * 150 - 400 = 200 elements
     assert padding_numel(cuts) == 200
-    # 4 ops of 10 us each against one op, the staging and 800 bytes: padded.
-    assert costs.grouped_s(cuts) == pytest.approx(4 * 5e-6 * 2)
+    # 3 ops (the empty segment issues none) of 10 us each against one op, the staging and 800 bytes: padded.
+    assert costs.grouped_s(cuts) == pytest.approx(3 * 5e-6 * 2)
     assert costs.padded_s(cuts, 4) == pytest.approx(5e-6 * 2 + 2 * 5e-6 + 800 / 50e9)
     assert choose_form(cuts, element_bytes=4, backend="nccl") == "padded"
     # The same cuts scaled up until the padding costs more on the wire than the launches save.
@@ -50,36 +52,45 @@ def test_cost_model_picks_padded_when_launches_outweigh_the_padding():
     assert choose_form((0, 10**9, 2 * 10**9), element_bytes=4, backend="nccl") == "padded"
 
 
-def test_latency_grows_with_the_ring_and_the_gain_with_the_world():
-    from ds_canzona.plan.collectives import CollectiveCosts, choose_form
+def test_latency_grows_with_the_ring_and_grouped_pays_for_non_empty_segments_only():
+    from ds_canzona.plan.collectives import CollectiveCosts, choose_form, nonempty_segments
 
     costs = CollectiveCosts()
     assert costs.latency_s(2) == costs.latency_s(1) == costs.launch_s
     assert costs.latency_s(1024) == pytest.approx(10 * costs.launch_s)
-    # One bucket shape, one rank holding everything: at DP=8 the padding (7 x the bucket) is too
-    # much, at DP=1024 the 1024 launches cost more than the padding does.
+    # One rank holding the whole bucket: one reduce / broadcast, however many ranks; padding can only lose.
     numel = 2_000_000
-    at_8 = (0, numel) + (numel,) * 7
-    at_1024 = (0, numel // 64) + (numel // 64,) * 1023
-    assert choose_form(at_8, element_bytes=2, backend="nccl") == "grouped"
-    assert choose_form(at_1024, element_bytes=2, backend="nccl") == "padded"
+    at_1024 = (0, numel) + (numel,) * 1023
+    assert nonempty_segments(at_1024) == 1
+    assert costs.grouped_s(at_1024) == pytest.approx(costs.latency_s(1024))
+    assert choose_form(at_1024, element_bytes=2, backend="nccl") == "grouped"
+    # 256 equal owners among 1024 ranks: 256 launches of 50 us against one collective and 768
+    # empty slots of padding: at small segments padded wins, at large ones the padding costs more.
+    small = tuple(min(r, 256) * 1_000 for r in range(1025))
+    large = tuple(min(r, 256) * 1_000_000 for r in range(1025))
+    assert nonempty_segments(small) == nonempty_segments(large) == 256
+    assert choose_form(small, element_bytes=2, backend="nccl") == "padded"
+    assert choose_form(large, element_bytes=2, backend="nccl") == "grouped"
 
 
 def test_settings_override_gloo_and_one_rank():
     from ds_canzona.plan.collectives import bucket_forms, choose_form
 
-    cuts = (0, 10, 30, 30)
+    cuts = (0, 10, 20, 30, 30)  # 3 reduces of 10 us against one collective, the staging and 10 elements of padding
     assert choose_form(cuts, element_bytes=4, backend="gloo") == "grouped"  # gloo's default: measured
     assert choose_form(cuts, element_bytes=4, backend="nccl") == "padded"
     assert choose_form(cuts, element_bytes=4, backend="nccl", setting="grouped") == "grouped"
     assert choose_form(cuts, element_bytes=4, backend="gloo", setting="padded") == "padded"
     assert choose_form((0, 7), element_bytes=4, backend="nccl", setting="padded") == "grouped"  # no collective
-    forms = bucket_forms([cuts, (0, 5, 10, 15)], reduce_scatter_bytes=4, all_gather_bytes=2, backend="nccl")
-    assert forms.reduce_scatter == forms.all_gather == ("padded", "padded")
-    # 3 * 20 - 30 = 30 padding elements in the first bucket, none in the second.
-    assert (forms.reduce_scatter_summary.padding_bytes, forms.all_gather_summary.padding_bytes) == (120, 60)
-    assert forms.reduce_scatter_summary.bucket_bytes == 45 * 4
-    assert forms.all_gather_summary.padding_fraction == pytest.approx(60 / 90)
+    forms = bucket_forms([cuts, (0, 5, 10, 15, 20), (0, 8, 8, 8, 8)], reduce_scatter_bytes=4, all_gather_bytes=2,
+                         backend="nccl")
+    # The third bucket has one owner: one operation, grouped.
+    assert forms.reduce_scatter == forms.all_gather == ("padded", "padded", "grouped")
+    # 4 * 10 - 30 = 10 padding elements in the first bucket, none in the second (equal), none taken in the third.
+    assert (forms.reduce_scatter_summary.padding_bytes, forms.all_gather_summary.padding_bytes) == (40, 20)
+    assert forms.reduce_scatter_summary.bucket_bytes == 58 * 4
+    assert forms.all_gather_summary.padding_fraction == pytest.approx(20 / 116)
+    assert forms.reduce_scatter_summary.operations == forms.all_gather_summary.operations == 1 + 1 + 1
 
 
 @pytest.mark.parametrize("bad", [{"setting": "fast"}, {"cuts": (0, 5, 3)}, {"cuts": (0,)}])
@@ -149,14 +160,23 @@ def _forms_ranks_with_layout(rank: int, world_size: int) -> dict:
         return engine
 
     zero_workers.init_engine = init_and_keep
+    import ds_canzona.zero.comm as bucket_comm
+
     out = {}
-    for name, stage, collectives in (("grouped2", 2, "grouped"), ("padded2", 2, "padded"), ("padded1", 1, "padded")):
+    for name, stage, collectives in (("grouped2", 2, "grouped"), ("padded2", 2, "padded"), ("padded1", 1, "padded"),
+                                     ("owners2", 2, "grouped"), ("owners1", 1, "grouped")):
+        # owners*: the grouped reduce-scatter of other backends (a reduce per non-empty segment) run on gloo.
+        bucket_comm._REDUCE_TO_OWNERS_ON_GLOO = name.startswith("owners")
         config = zero_workers.make_config(world_size, stage=stage, canzona={"collectives": collectives})
-        result = zero_workers.train(rank, world_size, config, STEPS, model_name="gridded")
+        try:
+            result = zero_workers.train(rank, world_size, config, STEPS, model_name="gridded")
+        finally:
+            bucket_comm._REDUCE_TO_OWNERS_ON_GLOO = False
         zero = captured["zero"]
         result["cuts"] = zero.layout.bucket_cuts
         result["forms"] = (zero.collective_forms.reduce_scatter, zero.collective_forms.all_gather)
         result["calls"] = dict(zero.comm.calls)
+        result["operations"] = dict(zero.comm.operations)
         result["padding"] = dict(zero.comm.padding)
         out[name] = result
     return out
@@ -172,24 +192,33 @@ def test_padded_and_grouped_forms_are_bitwise_equal_and_the_single_process_step(
     assert any(0 in s for s in sizes), f"no bucket has an empty segment: {sizes}"
     assert any(len({x for x in s if x}) > 1 for s in sizes), f"no bucket has uneven non-empty segments: {sizes}"
     buckets = len(cuts)
-    assert rank0["grouped2"]["forms"] == (("grouped",) * buckets,) * 2
+    assert rank0["grouped2"]["forms"] == rank0["owners2"]["forms"] == (("grouped",) * buckets,) * 2
+    # The list reduce-scatter counts P operations per bucket, the reduces to the owners one per non-empty segment.
+    nonempty = sum(sum(size > 0 for size in s) for s in sizes)
+    for lists, owners in (("grouped2", "owners2"), ("padded1", "owners1")):
+        launches = rank0[owners]["calls"]["reduce_scatter"]  # one per bucket per reduction (stage 2: per micro-batch)
+        assert launches == rank0[lists]["calls"]["reduce_scatter"] and launches % buckets == 0
+        assert rank0[owners]["operations"]["reduce_scatter"] == nonempty * launches // buckets
+    assert rank0["grouped2"]["operations"]["reduce_scatter"] == 3 * rank0["grouped2"]["calls"]["reduce_scatter"]
     for name in ("padded2", "padded1"):
         assert rank0[name]["forms"] == (("padded",) * buckets,) * 2
         assert rank0[name]["padding"]["reduce_scatter"] > 0 and rank0[name]["padding"]["all_gather"] > 0
     assert "all_gather" not in rank0["grouped2"]["calls"]  # gloo's grouped all-gather: broadcasts
-    for name in ("grouped2", "padded2", "padded1"):
+    for name in ("grouped2", "padded2", "padded1", "owners2", "owners1"):
         results = [r[name] for r in gloo_runs]
         for r in results[1:]:
             assert_params_equal(results[0]["params"], r["params"])
         replay = single_process_replay(BASE_CONFIG["optimizer"], merged_grads(results), clip=1.0)
         assert_params_equal(results[0]["params"], replay)
     assert_params_equal(rank0["grouped2"]["params"], rank0["padded2"]["params"])
-    assert_params_equal(rank0["grouped2"]["params"], rank0["padded1"]["params"])
+    for name in ("padded1", "owners2", "owners1"):
+        assert_params_equal(rank0["grouped2"]["params"], rank0[name]["params"])
 
 
 # --------------------------------------------------------------------------- launches at DP=64, one process
 FAKE_WORLD = 64
-BUCKET_COLLECTIVES = ("reduce_scatter", "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor", "broadcast")
+BUCKET_COLLECTIVES = ("reduce_scatter", "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor", "broadcast",
+                      "reduce")
 
 
 class _Done:
@@ -198,18 +227,20 @@ class _Done:
 
 
 def _record_bucket_collectives(log: list):
-    """deepspeed.comm's bucket collectives, recorded as (name, operations inside) while ``log`` is switched on.
+    """deepspeed.comm's bucket collectives and the grouped launches around them, recorded while ``log`` is on.
 
-    The fake backend does nothing with a collective and rejects uneven all-gathers, so an uneven
-    list is recorded and not passed on (a reduce-scatter's output gets zeros: the step stays finite).
+    A call is logged as its name; a grouped launch (``LaunchGroup``) as ("launch", the names issued
+    inside it). The fake backend does nothing with a collective and rejects uneven lists, so an
+    uneven list is recorded and not passed on (a reduce-scatter's output gets zeros: the step stays finite).
     """
     import deepspeed.comm as dist
+    from ds_canzona.zero.stage3_comm import LaunchGroup
 
     def wrap(name, original):
         def recorded(*args, **kwargs):
             listed = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, list)), None)
             if log and log[0] == "on":
-                log.append((name, len(listed) if listed is not None else 1))
+                (log[-1][1] if log[-1] and isinstance(log[-1], tuple) and log[-1][0] == "open" else log).append(name)
             if listed is not None and len({t.numel() for t in listed}) > 1:
                 output = args[0] if args else kwargs.get("output")
                 if name == "reduce_scatter":
@@ -220,6 +251,19 @@ def _record_bucket_collectives(log: list):
 
     for name in BUCKET_COLLECTIVES:
         setattr(dist, name, wrap(name, getattr(dist, name)))
+    enter, leave = LaunchGroup.__enter__, LaunchGroup.__exit__
+
+    def entered(self):
+        if log and log[0] == "on":
+            log.append(("open", []))
+        return enter(self)
+
+    def left(self, *exc):
+        if log and log[0] == "on":
+            log[-1] = ("launch", tuple(log[-1][1]))
+        return leave(self, *exc)
+
+    LaunchGroup.__enter__, LaunchGroup.__exit__ = entered, left
 
 
 def _launches_at_64(rank: int, world_size: int) -> dict:
@@ -231,7 +275,7 @@ def _launches_at_64(rank: int, world_size: int) -> dict:
     with fake_world(0, FAKE_WORLD):
         log: list = ["off"]
         _record_bucket_collectives(log)
-        for collectives in ("default", "grouped"):  # default: padded here (checked); "padded" runs on gloo
+        for collectives in ("default", "grouped"):  # "padded" runs on gloo
             config = zero_workers.make_config(FAKE_WORLD, stage=2, gradient_accumulation_steps=1,
                                               canzona={"collectives": collectives})
             engine = zero_workers.init_engine(config)
@@ -240,7 +284,7 @@ def _launches_at_64(rank: int, world_size: int) -> dict:
             log[:] = ["on"]
             engine.backward(engine(batches(0, 0, 0, FAKE_WORLD)))
             engine.step()
-            out[collectives] = {"calls": log[1:], "buckets": len(zero.plan.buckets),
+            out[collectives] = {"calls": log[1:], "cuts": zero.layout.bucket_cuts,
                                 "forms": (zero.collective_forms.reduce_scatter, zero.collective_forms.all_gather),
                                 # what CommCounter counted for the buckets (the norm's all-reduce left out)
                                 "operations": {k: zero.comm.operations[k] for k in ("reduce_scatter", "all_gather")},
@@ -249,21 +293,43 @@ def _launches_at_64(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_padded_launches_once_per_bucket_and_grouped_once_per_rank_at_dp64():
+def _expected_launches(cuts, forms) -> tuple[list, dict]:
+    """Per bucket and collective: one padded call, or one grouped launch of a reduce / broadcast per non-empty segment."""
+    from ds_canzona.plan.collectives import nonempty_segments
+
+    calls, operations = [], {"reduce_scatter": 0, "all_gather": 0}
+    for kind, kind_forms, padded_name, rooted in (("reduce_scatter", forms[0], "reduce_scatter_tensor", "reduce"),
+                                                  ("all_gather", forms[1], "all_gather_into_tensor", "broadcast")):
+        for bucket_cuts, form in zip(cuts, kind_forms):
+            if form == "padded":
+                calls.append(padded_name)
+                operations[kind] += 1
+            else:
+                calls.append(("launch", (rooted,) * nonempty_segments(bucket_cuts)))
+                operations[kind] += nonempty_segments(bucket_cuts)
+    return calls, operations
+
+
+def test_grouped_launches_once_per_bucket_with_one_operation_per_non_empty_segment_at_dp64():
+    from ds_canzona.plan.collectives import bucket_forms
+
     (runs,) = run_ranks(_launches_at_64, 1, timeout=600)
-    buckets = runs["default"]["buckets"]
+    cuts = runs["grouped"]["cuts"]
+    buckets = len(cuts)
     assert buckets > 1
-    # The cost model at DP=64: 64 launches of 30 us per bucket outweigh a few KB of padding.
-    assert runs["default"]["forms"] == (("padded",) * buckets,) * 2
-    padded = runs["default"]["calls"]
-    assert sorted(padded) == sorted([("reduce_scatter_tensor", 1)] * buckets + [("all_gather_into_tensor", 1)] * buckets)
-    assert runs["default"]["operations"] == {"reduce_scatter": buckets, "all_gather": buckets}
-    grouped = runs["grouped"]["calls"]
-    # One uneven list per bucket and collective: torch runs each as 64 ncclReduce / ncclBroadcast.
-    assert sorted(grouped) == sorted([("reduce_scatter", FAKE_WORLD)] * buckets + [("all_gather", FAKE_WORLD)] * buckets)
-    assert runs["grouped"]["operations"] == {"reduce_scatter": FAKE_WORLD * buckets, "all_gather": FAKE_WORLD * buckets}
-    assert runs["grouped"]["counted_calls"] == runs["default"]["counted_calls"] == {"reduce_scatter": buckets,
-                                                                                    "all_gather": buckets}
+    segments = sum(sum(b > a for a, b in zip(c, c[1:])) for c in cuts)
+    assert segments < FAKE_WORLD * buckets  # empty segments exist, so fewer operations than an uneven list's P
+    # The default is the cost model's choice on a backend that is not gloo (fp32 gradients and parameters here).
+    chosen = bucket_forms(cuts, reduce_scatter_bytes=4, all_gather_bytes=4, backend="fake")
+    assert runs["default"]["forms"] == (chosen.reduce_scatter, chosen.all_gather)
+    assert "padded" in chosen.reduce_scatter  # the padded path runs too
+    assert runs["grouped"]["forms"] == (("grouped",) * buckets,) * 2
+    for name in ("default", "grouped"):
+        calls, operations = _expected_launches(cuts, runs[name]["forms"])
+        assert sorted(map(str, runs[name]["calls"])) == sorted(map(str, calls)), name
+        assert runs[name]["operations"] == operations, name
+        assert runs[name]["counted_calls"] == {"reduce_scatter": buckets, "all_gather": buckets}, name
+    assert runs["grouped"]["operations"] == {"reduce_scatter": segments, "all_gather": segments}
 
 
 def test_bucket_collectives_refuse_an_unknown_form_and_a_short_output():
@@ -274,3 +340,17 @@ def test_bucket_collectives_refuse_an_unknown_form_and_a_short_output():
         all_gather_bucket(flat, cuts, 0, "default", group=None, counter=CommCounter())
     with pytest.raises(ValueError, match="writes 5 elements"):  # before any collective is issued
         reduce_scatter_bucket(torch.zeros(1), flat, cuts, "padded", group=None, counter=CommCounter(), async_op=False)
+
+
+def test_plan_report_counts_the_operations_of_the_chosen_forms():
+    from ds_canzona.plan.collectives import bucket_forms
+    from ds_canzona.plan.report import format_collective_forms
+
+    # One owner of 4 (grouped: 1 operation) and 3 owners of 4 forced grouped (3 operations).
+    forms = bucket_forms([(0, 8, 8, 8, 8), (0, 4, 4, 9, 12)], reduce_scatter_bytes=4, all_gather_bytes=2,
+                         backend="nccl", setting="grouped")
+    assert forms.reduce_scatter_summary.operations == forms.all_gather_summary.operations == 4
+    assert "2 grouped, 4 operations" in format_collective_forms(forms)
+    padded = bucket_forms([(0, 8, 8, 8, 8), (0, 4, 4, 9, 12)], reduce_scatter_bytes=4, all_gather_bytes=2,
+                          backend="nccl", setting="padded")
+    assert "2 buckets padded, 0 grouped, 2 operations" in format_collective_forms(padded)

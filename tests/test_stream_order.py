@@ -18,8 +18,10 @@ simulated: every other parameter's gradient is produced on a second compute stre
 stand-in, and its hook runs there (``StreamModel.gradient_from``). Stages 2 and 3 also run with
 ``communication_data_type`` bf16 and a predivide factor (the conversion and division on the
 reduction stream, the converted copy released). The fake backend is not gloo, so the stage-1/2
-buckets take the cost model's form, padded here (staged through padded buffers on the reduction
-stream, an in-place all-gather); one stage-2 case forces the grouped form (the uneven lists). Stage 3
+buckets take the cost model's form, grouped here (a reduce per non-empty segment in one grouped
+launch, the owner's sum copied out at the wait, and a broadcast per non-empty segment); three
+cases force the padded form (staged through padded buffers on the reduction stream, an in-place
+all-gather), one the grouped. Stage 3
 runs the collectives a backend other than gloo gets (the fake one included): grouped by default,
 padded in one case, with the small tensors persistent (refreshed on the compute stream after each
 step) and gradient buckets that launch inside backward. The process is rank 0 of the world: at
@@ -53,11 +55,14 @@ STAGE3_BUCKET = 600
 
 CASES = {
     "stage1": {"stage": 1},
-    "stage1_compile_streams": {"stage": 1, "compile_streams": True},
+    # The fake backend is not gloo: by default the cost model picks the buckets' forms, grouped here
+    # (one to a few owners per bucket at DP=4); the padded form is forced where named.
+    "stage1_padded_compile_streams": {"stage": 1, "compile_streams": True, "canzona": {"collectives": "padded"}},
     "stage2": {"stage": 2},
-    "stage2_compile_streams": {"stage": 2, "compile_streams": True},
+    "stage2_padded_compile_streams": {"stage": 2, "compile_streams": True, "canzona": {"collectives": "padded"}},
     "stage2_compile_streams_bf16_communication": {"stage": 2, "compile_streams": True, "config": NUMERICS},
-    # The fake backend is not gloo: by default the buckets' collectives are padded here; this one is grouped.
+    "stage2_padded_compile_streams_bf16_communication": {"stage": 2, "compile_streams": True, "config": NUMERICS,
+                                                         "canzona": {"collectives": "padded"}},
     "stage2_compile_streams_grouped": {"stage": 2, "compile_streams": True, "canzona": {"collectives": "grouped"}},
     "stage3": {"stage": 3},
     "stage3_compile_streams": {"stage": 3, "compile_streams": True},
@@ -127,16 +132,18 @@ def _stage3_buckets(zero) -> int:
 def _expected(zero, case: dict) -> dict:
     """What the reduction stream must have issued in the run: one collective per bucket (or item) and reduction.
 
-    A bucket's reduce-scatter is ``reduce_scatter`` (grouped: the uneven list) or ``reduce_scatter_tensor`` (padded).
+    A bucket's reduce-scatter is one ``reduce`` per non-empty segment (grouped, on a backend that is
+    not gloo, the fake one included) or one ``reduce_scatter_tensor`` (padded).
     """
     if case["stage"] == 3:
         if zero.collectives == "padded":
             return {"reduce_scatter_tensor": _stage3_buckets(zero) * STEPS * GA}
         assert zero.collectives == "grouped"
         return {"reduce": len(zero.plan.specs) * STEPS * GA}
-    forms = zero.collective_forms.reduce_scatter
+    forms, cuts = zero.collective_forms.reduce_scatter, zero.layout.bucket_cuts
     padded = sum(form == "padded" for form in forms)
-    expected = {"reduce_scatter": (len(forms) - padded) * STEPS, "reduce_scatter_tensor": padded * STEPS}
+    reduces = sum(sum(b > a for a, b in zip(c, c[1:])) for c, form in zip(cuts, forms) if form == "grouped")
+    expected = {"reduce": reduces * STEPS, "reduce_scatter_tensor": padded * STEPS}
     return {kind: count for kind, count in expected.items() if count}
 
 
@@ -282,7 +289,8 @@ def test_runtime_orders_every_collective_and_buffer(runs, name):
         assert run["collectives"].get(f"{kind} on {run['reduction_stream']}") == count, run["collectives"]
         assert sum(n for key, n in run["collectives"].items() if key.startswith(f"{kind} on ")) == count
     if name.startswith(("stage1", "stage2")):  # the form each case is meant to check
-        assert set(run["expected"]) == {"reduce_scatter" if name.endswith("grouped") else "reduce_scatter_tensor"}
+        padded = CASES[name].get("canzona", {}).get("collectives") == "padded"
+        assert set(run["expected"]) == {"reduce_scatter_tensor" if padded else "reduce"}
     if CASES[name].get("compile_streams"):
         assert run["side_hook_runs"] > 0
     if CASES[name]["stage"] == 3:

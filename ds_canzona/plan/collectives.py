@@ -3,10 +3,12 @@
 A ZeRO-1/2 bucket is cut into one contiguous segment per rank; the segments differ in size and
 may be empty. Its reduce-scatter and all-gather can run in two forms:
 
-- *grouped*: the uneven lists as they are. On NCCL torch turns an uneven list into one group of
-  P rank-rooted operations (an ncclReduce or ncclBroadcast per rank); gloo's uneven
-  reduce-scatter is one call and its all-gather is replaced by one broadcast per non-empty
-  segment (``ds_canzona.zero.comm``). No extra bytes.
+- *grouped*: one rank-rooted operation per NON-EMPTY segment, all in one grouped launch: a
+  ``reduce`` to the segment's owner for the reduce-scatter, a ``broadcast`` from it for the
+  all-gather (``ds_canzona.zero.comm``; one ncclGroupStart/End on NCCL). With whole-tensor
+  ownership most segments are empty at large P (a few hundred tensors for 1024 ranks), so this
+  is far fewer than the P operations torch issues for an uneven list. gloo keeps its uneven
+  list reduce-scatter (one call, measured best there) and the broadcasts. No extra bytes.
 - *padded*: every segment padded to the bucket's largest, then one equal-size collective
   (``reduce_scatter_tensor`` / ``all_gather_into_tensor``). One operation, but the padding
   travels too, and a bucket whose segments differ is staged through a padded buffer.
@@ -14,11 +16,12 @@ may be empty. Its reduce-scatter and all-gather can run in two forms:
 The choice is made per bucket and per collective (their dtypes may differ) from a small cost
 model, once at init, as a pure function of the cuts, the element size, the world size, the
 backend and two constants, so every rank takes the same form (collectives must match). With P
-ranks, a bucket of N elements whose largest segment is m, padding ``P*m - N`` elements of e bytes:
+ranks, a bucket of N elements whose largest segment is m, k of its P segments non-empty, padding
+``P*m - N`` elements of e bytes:
 
     latency(P) = launch_s * max(1, log2 P)        one collective operation's fixed time; it grows
                                                    with the ring/tree of P ranks
-    grouped    = P * latency(P)                   P rank-rooted operations
+    grouped    = k * latency(P)                   k rank-rooted operations (one per non-empty segment)
     padded     = latency(P)                       one operation
                  + 2 * launch_s  (if padding)     staging: a fill and a copy on the device
                  + padding * e / bytes_per_s      the padding on the wire
@@ -51,6 +54,7 @@ __all__ = [
     "bucket_forms",
     "choose_form",
     "choose_forms",
+    "nonempty_segments",
     "padding_numel",
     "summarize_forms",
 ]
@@ -81,13 +85,17 @@ class CollectiveCosts:
         return self.launch_s * max(1.0, math.log2(world_size))
 
     def grouped_s(self, cuts: Sequence[int]) -> float:
-        world_size = len(cuts) - 1
-        return world_size * self.latency_s(world_size)
+        return nonempty_segments(cuts) * self.latency_s(len(cuts) - 1)
 
     def padded_s(self, cuts: Sequence[int], element_bytes: int) -> float:
         padding = padding_numel(cuts)
         staging = 2 * self.launch_s if padding else 0.0
         return self.latency_s(len(cuts) - 1) + staging + padding * element_bytes / self.bytes_per_s
+
+
+def nonempty_segments(cuts: Sequence[int]) -> int:
+    """Segments of a bucket that hold elements: the operations its grouped form issues."""
+    return sum(b > a for a, b in zip(cuts, cuts[1:]))
 
 
 def padding_numel(cuts: Sequence[int]) -> int:
@@ -128,6 +136,7 @@ class FormSummary:
     bucket_bytes: int  # per step: every bucket's own bytes, once each
     grouped_s: float  # the cost model's seconds per step with every bucket grouped (launches only)
     padded_s: float  # ... with every bucket padded (launch, staging, padding on the wire)
+    operations: int  # per step, under the chosen forms: non-empty segments of a grouped bucket, 1 for a padded one
 
     @property
     def padding_fraction(self) -> float:
@@ -144,7 +153,9 @@ def summarize_forms(bucket_cuts: Sequence[Sequence[int]], forms: Sequence[str], 
                        padding_bytes=padding * element_bytes,
                        bucket_bytes=sum(cuts[-1] - cuts[0] for cuts in bucket_cuts) * element_bytes,
                        grouped_s=sum(costs.grouped_s(cuts) for cuts in real),
-                       padded_s=sum(costs.padded_s(cuts, element_bytes) for cuts in real))
+                       padded_s=sum(costs.padded_s(cuts, element_bytes) for cuts in real),
+                       operations=sum(1 if form == PADDED else nonempty_segments(cuts)
+                                      for cuts, form in zip(bucket_cuts, forms) if len(cuts) > 2))
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,16 @@ A bucket is cut into one contiguous segment per rank (``cuts``); segments may di
 and may be empty. Each bucket's reduce-scatter and all-gather take one of two forms, chosen once
 at init by ``ds_canzona.plan.collectives`` (the same on every rank):
 
-- grouped: the uneven lists. reduce-scatter with uneven input lists works on every backend we
-  use (gloo, NCCL; NCCL runs it as one ncclReduce per rank). gloo rejects all-gather of uneven
-  sizes; there each non-empty segment is broadcast from its owner straight into place, which
-  moves exactly the bucket (no padding, no staging copies) and measured 3-5x faster than gloo's
-  all-gather of the same bytes (docs/BENCHMARKS.md). Other backends get one uneven all_gather
-  (NCCL: one ncclBroadcast per rank).
+- grouped: one rank-rooted operation per non-empty segment, all in one grouped launch
+  (``LaunchGroup``: one ncclGroupStart/End on NCCL). The reduce-scatter is a ``reduce`` of each
+  non-empty segment to its owner, in place in the send buffer; the owner's sum is copied into
+  ``out`` when the work is waited on. The all-gather is a ``broadcast`` of each non-empty segment
+  from its owner straight into place. An uneven list would be P operations on NCCL (torch runs
+  it as one ncclReduce / ncclBroadcast per rank, the empty segments included), and with
+  whole-tensor ownership most segments are empty at large P. gloo cannot group; it keeps its
+  uneven list reduce-scatter (one call, measured best there) and the broadcasts, which move
+  exactly the bucket and measured 3-5x faster than gloo's all-gather of the same bytes
+  (docs/BENCHMARKS.md). Both forms move no padding.
 - padded: every segment padded to the bucket's largest (m elements), one equal-size
   ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` on any backend. Where the segments
   differ the bucket is staged through a buffer of P x m (a fill and one multi-tensor copy); where
@@ -18,7 +22,8 @@ at init by ``ds_canzona.plan.collectives`` (the same on every rank):
   elements past this rank's own segment are padding and never read.
 
 ``CommCounter`` counts, per kind of call, the bytes handed to it (padding included), the calls
-launched, the operations inside them (what NCCL runs: P for a grouped call) and the padding bytes.
+launched, the operations inside them (a grouped launch: its non-empty segments; gloo's list
+reduce-scatter: P) and the padding bytes.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import torch
 import deepspeed.comm as dist
 
 from ds_canzona.plan.collectives import GROUPED, PADDED
+from ds_canzona.zero.stage3_comm import LaunchGroup
 
 __all__ = ["CommCounter", "PlanMismatchError", "all_gather_bucket", "all_reduce_sum", "backend_name",
            "check_digest_agreement", "reduce_scatter_bucket", "segment_views"]
@@ -102,14 +108,21 @@ def reduce_scatter_bucket(out: torch.Tensor, flat: torch.Tensor, cuts: tuple[int
     """Sum ``flat`` over ranks; this rank's segment [cuts[r], cuts[r+1]) of the sum lands at the start of ``out``.
 
     Returns (work handle or None, the tensor the collective reads): keep that tensor alive until
-    the collective is done (it is ``flat`` itself unless the padded form staged a copy).
+    the collective is done (it is ``flat`` itself unless the padded form staged a copy). The
+    grouped form outside gloo reduces in place, so ``flat`` holds no gradient to read afterwards.
     """
     _check_form(form)
     world = len(cuts) - 1
     element = flat.element_size()
     if form == GROUPED:
-        counter.add("reduce_scatter", flat.numel() * element, operations=world)
-        return dist.reduce_scatter(out, segment_views(flat, cuts), group=group, async_op=async_op), flat
+        if backend_name(group) == "gloo" and not _REDUCE_TO_OWNERS_ON_GLOO:
+            counter.add("reduce_scatter", flat.numel() * element, operations=world)
+            return dist.reduce_scatter(out, segment_views(flat, cuts), group=group, async_op=async_op), flat
+        work = _reduce_to_owners(out, flat, cuts, group=group, counter=counter)
+        if not async_op:
+            work.wait()
+            return None, flat
+        return work, flat
     largest = _largest_segment(cuts)
     if out.numel() < largest:
         raise ValueError(f"the padded reduce-scatter writes {largest} elements; the output holds {out.numel()}")
@@ -132,9 +145,6 @@ def all_gather_bucket(flat: torch.Tensor, cuts: tuple[int, ...], rank: int, form
     element = flat.element_size()
     if form == PADDED:
         _all_gather_padded(flat, cuts, rank, group=group, counter=counter)
-    elif backend_name(group) != "gloo":
-        counter.add("all_gather", flat.numel() * element, operations=world)
-        dist.all_gather(segment_views(flat, cuts), flat[cuts[rank]:cuts[rank + 1]], group=group)
     else:
         _broadcast_segments(flat, cuts, group=group, counter=counter)
 
@@ -155,15 +165,66 @@ def _all_gather_padded(flat: torch.Tensor, cuts: tuple[int, ...], rank: int, *, 
         _copy_nonempty([segments[r] for r in others], [slots[r] for r in others])
 
 
+# The grouped reduce-scatter on gloo is the uneven list (measured best there); tests switch this on
+# to check the reduces to the owners against it on gloo, the only backend they can run.
+_REDUCE_TO_OWNERS_ON_GLOO = False
+
+
+def _global_rank(group, r: int) -> int:
+    return dist.get_global_rank(group, r) if group is not None else r
+
+
+def _nonempty(flat: torch.Tensor, cuts: tuple[int, ...]) -> list[tuple[int, torch.Tensor]]:
+    return [(r, segment) for r, segment in enumerate(segment_views(flat, cuts)) if segment.numel()]
+
+
+class _OwnSegmentArrival:
+    """The work of a grouped reduce-scatter: waiting ends the reduces, then moves this rank's sum into ``out``.
+
+    The copy runs on the stream current at ``wait()`` (the runtime's reduction stream), so it is
+    ordered after the collective like any reader of a waited work.
+    """
+
+    def __init__(self, works: list, out: torch.Tensor, summed: torch.Tensor) -> None:
+        self._works, self._out, self._summed = works, out, summed
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._works = []
+        if self._summed.numel():
+            self._out[:self._summed.numel()].copy_(self._summed)
+
+
+def _reduce_to_owners(out: torch.Tensor, flat: torch.Tensor, cuts: tuple[int, ...], *, group,
+                      counter: CommCounter) -> _OwnSegmentArrival:
+    """One ``reduce`` per non-empty segment to its owner, in one grouped launch; returns the work to wait for.
+
+    In place: the owner's segment of ``flat`` receives the sum, the other ranks' copies of it are
+    left unspecified (the runtime never reads a bucket after its reduce-scatter).
+    """
+    segments = _nonempty(flat, cuts)
+    counter.add("reduce_scatter", flat.numel() * flat.element_size(), operations=len(segments))
+    with LaunchGroup(group=group, device=flat.device) as launch:
+        for r, segment in segments:
+            launch.add(dist.reduce(segment, dst=_global_rank(group, r), group=group, async_op=True))
+    rank = dist.get_rank(group=group)
+    return _OwnSegmentArrival(launch.works, out, flat[cuts[rank]:cuts[rank + 1]])
+
+
 def _broadcast_segments(flat: torch.Tensor, cuts: tuple[int, ...], *, group, counter: CommCounter) -> None:
-    handles = []
-    for r, segment in enumerate(segment_views(flat, cuts)):
-        if segment.numel():
+    """One ``broadcast`` per non-empty segment from its owner, in one grouped launch (each on its own on gloo)."""
+    segments = _nonempty(flat, cuts)
+    if backend_name(group) != "gloo":
+        counter.add("all_gather", flat.numel() * flat.element_size(), operations=len(segments))
+    else:  # gloo cannot group: each broadcast is a launch of its own
+        for _, segment in segments:
             counter.add("broadcast", segment.numel() * flat.element_size())
-            src = dist.get_global_rank(group, r) if group is not None else r
-            handles.append(dist.broadcast(segment, src=src, group=group, async_op=True))
-    for handle in handles:
-        handle.wait()
+    with LaunchGroup(group=group, device=flat.device) as launch:
+        for r, segment in segments:
+            launch.add(dist.broadcast(segment, src=_global_rank(group, r), group=group, async_op=True))
+    for work in launch.works:
+        work.wait()
 
 
 def all_reduce_sum(tensor: torch.Tensor, *, group, counter: CommCounter, kind: str) -> None:

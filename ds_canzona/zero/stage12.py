@@ -28,7 +28,7 @@ Data flow per optimizer step:
                updates the items it owns (whole matrices, non-matrix tensors or their pieces),
                then one all-gather per bucket
 
-Each bucket's reduce-scatter and all-gather is grouped (the uneven lists) or padded (one
+Each bucket's reduce-scatter and all-gather is grouped (a reduce / broadcast per non-empty segment) or padded (one
 equal-size collective over segments padded to the largest), chosen at init per bucket by
 ``ds_canzona.plan.collectives`` from ``canzona.collectives`` (``ds_canzona.zero.comm``).
 
