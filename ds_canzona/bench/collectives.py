@@ -1,0 +1,326 @@
+"""``python -m ds_canzona.bench collectives``: collectives per training step at DP 8 to 1024, counted by running.
+
+For a model (a shipped Qwen3 name or a HuggingFace ``config.json``), each data-parallel size and
+ZeRO stage, and each system (ds_canzona, and DeepSpeed 0.19.8's own ZeRO with its Muon), one
+process builds the real DeepSpeed engine as rank 0 of a world of that size on torch's fake process
+group (``fake_world``) and takes two training steps (forward, backward, ``engine.step()``,
+gradient accumulation 1, a micro-batch of 1 x 8 tokens). Every collective of the second step is
+recorded (``collective_log``) as NCCL would launch it, without sending anything. The fake backend
+is not gloo, so the runtimes take their NCCL paths. Per cell:
+
+- ``launches``: collective launches in the step (a coalesced block counts once);
+- ``p2p_ops``: NCCL operations inside them (an uneven reduce-scatter or all-gather is P);
+- ``sent``: bytes each rank sends, on NCCL's ring algorithms (``collective_log``);
+- ``padding``: payload beyond the data. At stages 1 and 2 every gradient is reduced once and every
+  parameter gathered once per step, so it is the payload of the reduce-scatters and reduces beyond
+  the model's gradients in the communication dtype, plus that of the all-gathers and broadcasts
+  beyond its parameters (all-reduces, such as the norm's, are not part of either). At stage 3
+  DeepSpeed's fetches (``all_gather_coalesced`` of the parameters it fetches) and gradient
+  reduce-scatters (``reduce_scatter_coalesced``) are wrapped with the bytes of their data;
+  ds_canzona's broadcasts and reduces carry whole pieces, with no room for padding.
+
+``--real`` builds the model with real storage: every rank of a stage-1/2 world holds the whole model,
+so only models that fit in this machine's memory run that way. By default the engines run under
+torch's ``FakeTensorMode`` (see ``fake_engine``), which allocates nothing, so Qwen3-8B and 32B run
+on a laptop; ``fake_engine`` lists what it has to patch for that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..cli import Command
+
+__all__ = ["COLLECTIVES", "SYSTEMS", "CellResult", "run_cell", "run_world"]
+
+DEFAULT_DP = (8, 64, 256, 1024)
+DEFAULT_BUCKET_NUMEL = 500_000_000  # DeepSpeed's default reduce_bucket_size
+TOKENS = 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class System:
+    key: str
+    label: str
+    runtime: str  # "canzona" or "deepspeed"
+    stages: tuple[int, ...]
+
+
+SYSTEMS = {s.key: s for s in (
+    System(key="canzona", label="ds_canzona", runtime="canzona", stages=(1, 2, 3)),
+    System(key="deepspeed", label="DeepSpeed Muon", runtime="deepspeed", stages=(1, 2, 3)),
+)}
+
+
+@dataclass(kw_only=True)
+class CellResult:
+    """The collectives of one steady-state step of one (system, stage, DP) cell, on rank 0."""
+
+    system: str
+    stage: int
+    dp: int
+    launches: int
+    p2p_ops: int
+    sent: int
+    padding: int
+    by_kind: dict[str, dict[str, int]]
+    seconds: float
+    unavailable: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+# --------------------------------------------------------------------------- rank side
+def model_config(source: dict[str, Any]) -> dict[str, Any]:
+    """The HuggingFace config dict of ``source`` ({"model": name} or {"hf_config": path}), layers overridden."""
+    if source.get("hf_config"):
+        from pathlib import Path
+        path = Path(source["hf_config"])
+        config = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+    else:
+        from ds_canzona.plan.models import load_model_config
+        config = load_model_config(source["model"])
+    if source.get("layers"):
+        config = {**config, "num_hidden_layers": int(source["layers"])}
+    return config
+
+
+def _build_model(config: dict[str, Any]):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = AutoConfig.for_model(**{k: v for k, v in config.items() if k not in ("architectures", "torch_dtype")})
+    hf._attn_implementation = "sdpa"
+    hf.use_cache = False
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(hf, torch_dtype=torch.bfloat16)
+
+
+def engine_config(system: System, stage: int, dp: int, bucket_numel: int) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": dp,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 1_000_000_000,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket_numel,
+                              "allgather_bucket_size": bucket_numel},
+        "optimizer": {"type": "Muon", "params": {"lr": 0.02, "momentum": 0.95, "adam_lr": 3e-4,
+                                                  "weight_decay": 0.0}},
+    }
+    if stage == 3:
+        # DeepSpeed's ZeRO-3 Muon refuses reduce_scatter; ds_canzona takes the same config.
+        config["zero_optimization"]["reduce_scatter"] = False
+    if system.runtime == "canzona":
+        config["canzona"] = {"log_plan": False, "kernels": "torch"}
+    return config
+
+
+def _model_bytes(engine) -> tuple[int, int]:
+    """(elements, bytes per element) of the engine's trainable parameters."""
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    numel = sum(int(getattr(p, "ds_numel", p.numel())) for p in params)
+    return numel, params[0].element_size()
+
+
+def _communication_bytes(engine) -> int:
+    dtype = engine.communication_data_type
+    import torch
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _wrap_deepspeed_zero3(engine, log) -> None:
+    """State the data of DeepSpeed's ZeRO-3 fetches and gradient reduce-scatters, so their padding shows."""
+    import deepspeed.runtime.zero.stage3 as ds_stage3
+
+    for param in engine.module.parameters():
+        original = getattr(param, "all_gather_coalesced", None)
+        if original is None:
+            continue
+
+        def all_gather_coalesced(params, *args, _original=original, **kwargs):
+            data = sum(int(p.ds_numel) * p.ds_tensor.element_size() for p in params)
+            with log.carrying(data):
+                return _original(params, *args, **kwargs)
+
+        param.all_gather_coalesced = all_gather_coalesced
+
+    original_reduce = ds_stage3.reduce_scatter_coalesced
+
+    def reduce_scatter_coalesced(tensors, *args, **kwargs):
+        with log.carrying(sum(t.numel() * t.element_size() for t in tensors)):
+            return original_reduce(tensors, *args, **kwargs)
+
+    ds_stage3.reduce_scatter_coalesced = reduce_scatter_coalesced
+
+
+_REDUCE_KINDS = ("reduce_scatter", "reduce_scatter_tensor", "reduce")
+_GATHER_KINDS = ("all_gather", "all_gather_into_tensor", "broadcast")
+
+
+def _summarise(calls, *, stage: int, model_numel: int, param_bytes: int, comm_bytes: int, log) -> dict[str, Any]:
+    by_kind: dict[str, dict[str, int]] = {}
+    for call in calls:
+        row = by_kind.setdefault(call.kind, {"calls": 0, "launches": 0, "p2p_ops": 0, "payload": 0, "sent": 0})
+        row["calls"] += 1
+        row["launches"] += call.launches
+        row["p2p_ops"] += call.p2p_ops
+        row["payload"] += call.payload
+        row["sent"] += call.sent
+    for row in by_kind.values():
+        row["sent"] = int(round(row["sent"]))
+    if stage in (1, 2):
+        reduced = sum(by_kind.get(k, {}).get("payload", 0) for k in _REDUCE_KINDS)
+        gathered = sum(by_kind.get(k, {}).get("payload", 0) for k in _GATHER_KINDS)
+        padding = max(0, reduced - model_numel * comm_bytes) + max(0, gathered - model_numel * param_bytes)
+    else:
+        padding = log.padding
+    return {"launches": sum(c.launches for c in calls), "p2p_ops": sum(c.p2p_ops for c in calls),
+            "sent": int(round(sum(c.sent for c in calls))), "padding": int(padding), "by_kind": by_kind}
+
+
+def run_cell(system_key: str, stage: int, dp: int, source: dict[str, Any], *, bucket_numel: int, log,
+             fake: bool) -> CellResult:
+    """Build the engine of one cell in the current fake world, take two steps, summarise the second."""
+    import torch
+
+    import deepspeed
+    from ds_canzona.config import CanzonaConfigError
+
+    from .fake_engine import fake_tensors
+
+    system = SYSTEMS[system_key]
+    started = time.perf_counter()
+    with fake_tensors(enabled=fake):
+        model = _build_model(model_config(source))
+        try:
+            engine, *_ = deepspeed.initialize(model=model, config=engine_config(system, stage, dp, bucket_numel))
+        except CanzonaConfigError as error:
+            return CellResult(system=system_key, stage=stage, dp=dp, launches=0, p2p_ops=0, sent=0, padding=0,
+                              by_kind={}, seconds=time.perf_counter() - started, unavailable=str(error))
+        if system.runtime == "deepspeed" and stage == 3:
+            _wrap_deepspeed_zero3(engine, log)
+        vocab = int(model.config.vocab_size)
+        tokens = (torch.arange(TOKENS) * 7919 % vocab).view(1, TOKENS)
+        for step in range(2):
+            log.reset()
+            log.active = step == 1  # the first step warms up (state allocation, first fetches)
+            loss = engine(input_ids=tokens, labels=tokens).loss
+            engine.backward(loss)
+            engine.step()
+            log.active = False
+        numel, param_bytes = _model_bytes(engine)
+        summary = _summarise(log.calls, stage=stage, model_numel=numel, param_bytes=param_bytes,
+                             comm_bytes=_communication_bytes(engine), log=log)
+        if hasattr(engine, "destroy"):
+            engine.destroy()
+    return CellResult(system=system_key, stage=stage, dp=dp, seconds=time.perf_counter() - started, **summary)
+
+
+def run_world(rank: int, world_size: int, cells: list[tuple[str, int]], source: dict[str, Any], bucket_numel: int,
+              fake: bool) -> list[dict[str, Any]]:
+    """Every (system, stage) of ``cells`` at DP ``world_size``, in this (fresh) process as rank 0."""
+    import logging
+
+    import ds_canzona  # noqa: F401  (installs the engine hook)
+    from .collective_log import CollectiveLog
+    from .fake_world import fake_world
+
+    for name in ("DeepSpeed", "deepspeed", "ds_canzona"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    log = CollectiveLog().install()  # before deepspeed.comm starts: its backend keeps references
+    with fake_world(0, world_size):
+        return [run_cell(system, stage, world_size, source, bucket_numel=bucket_numel, log=log, fake=fake).to_dict()
+                for system, stage in cells]
+
+
+# --------------------------------------------------------------------------- parent side
+def run_collectives(args: argparse.Namespace) -> int:
+    from ._ranks import run_ranks
+
+    source = {"model": args.model, "hf_config": args.hf_config, "layers": args.layers}
+    name = args.model or args.hf_config
+    if args.layers:
+        name += f" ({args.layers} layers)"
+    cells = [(system, stage) for stage in args.stages for system in args.systems if stage in SYSTEMS[system].stages]
+    results = []
+    for dp in args.dp:
+        started = time.perf_counter()
+        results += _one_world(run_ranks, dp, cells, source, args)
+        print(f"  DP {dp}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    document = {"model": name, "tensors": "real" if args.real else "fake (FakeTensorMode)",
+                "bucket_numel": args.bucket_numel, "tokens": TOKENS, "cells": results}
+    if args.json:
+        json.dump(document, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        print(format_table(document))
+    return 0
+
+
+def _one_world(run_ranks, dp: int, cells, source, args) -> list[dict[str, Any]]:
+    # One fresh process per world size: DeepSpeed keeps its groups for the rest of a process.
+    return run_ranks(_world_entry, 1, dp, cells, source, args.bucket_numel, not args.real, timeout=args.timeout)[0]
+
+
+def _world_entry(rank: int, world_size: int, dp: int, cells, source, bucket_numel: int, fake: bool):
+    return run_world(rank, dp, cells, source, bucket_numel, fake)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:,.1f}"
+
+
+def format_table(document: dict[str, Any]) -> str:
+    lines = [f"Collectives per step: {document['model']}, {document['tensors']} tensors, bf16, buckets of "
+             f"{document['bucket_numel']:,} elements, micro-batch 1 x {document['tokens']} tokens, rank 0",
+             f"{'DP':>5} {'stage':>5}  {'system':<16} {'launches':>9} {'p2p ops':>9} {'sent MiB/rank':>14} "
+             f"{'padding MiB':>12}"]
+    for cell in sorted(document["cells"], key=lambda c: (c["dp"], c["stage"], c["system"])):
+        label = SYSTEMS[cell["system"]].label
+        if cell.get("unavailable"):
+            lines.append(f"{cell['dp']:>5} {cell['stage']:>5}  {label:<16} not available: {cell['unavailable']}")
+            continue
+        lines.append(f"{cell['dp']:>5} {cell['stage']:>5}  {label:<16} {cell['launches']:>9,} {cell['p2p_ops']:>9,} "
+                     f"{_mib(cell['sent']):>14} {_mib(cell['padding']):>12}")
+    return "\n".join(lines)
+
+
+def _positive_list(text: str) -> tuple[int, ...]:
+    values = tuple(int(v) for v in text.split(","))
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be a positive integer")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ds_canzona.plan.models import shipped_models
+
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", metavar="NAME", help=f"a shipped config: {', '.join(shipped_models())}")
+    source.add_argument("--hf-config", metavar="PATH", help="a HuggingFace config.json (file or folder)")
+    parser.add_argument("--layers", type=int, default=None, metavar="L", help="override num_hidden_layers")
+    parser.add_argument("--dp", type=_positive_list, default=DEFAULT_DP, metavar="R,R,...",
+                        help="data-parallel sizes (default 8,64,256,1024)")
+    parser.add_argument("--stages", type=_positive_list, default=(1, 2, 3), metavar="S,S", help="ZeRO stages")
+    parser.add_argument("--systems", type=lambda t: tuple(t.split(",")), default=tuple(SYSTEMS),
+                        metavar="NAME,NAME", help=f"of {', '.join(SYSTEMS)}")
+    parser.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL, metavar="N",
+                        help="reduce_bucket_size and allgather_bucket_size (default 5e8)")
+    parser.add_argument("--real", action="store_true", help="real tensors (the model must fit in memory) "
+                        "instead of FakeTensorMode")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per DP size")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
+COLLECTIVES = Command(description="Collective launches, NCCL operations, bytes and padding per training step, "
+                      "counted by running the engines on a fake process group.",
+                      add_arguments=add_arguments, run=run_collectives)
