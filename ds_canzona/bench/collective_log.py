@@ -6,7 +6,8 @@ initialised (DeepSpeed's torch backend keeps references to some of them from its
 ``fake_world`` (torch's fake process group: ranks and groups of a world that does not exist). Nothing
 is sent: a recorder writes stand-in values into the outputs so the run goes on with finite numbers
 (a reduce-scatter leaves this rank's own slice, an all-gather this rank's input in every slot, a
-broadcast receives zeros), and returns a finished work handle.
+broadcast receives zeros; fake tensors, which have no values, get none), and returns a finished
+work handle.
 
 Per call it records, for a group of P ranks:
 
@@ -40,6 +41,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 __all__ = ["CollectiveCall", "CollectiveLog"]
 
@@ -282,7 +284,7 @@ class CollectiveLog:
                                                 payload=payload, sent=sent, site=_site()))
                 for block in log._carrying:
                     block[1] += payload
-            if fill is not None and group_size > 1:
+            if fill is not None and group_size > 1 and not any(map(is_fake, _tensors(list(a.values())))):
                 with torch.no_grad():
                     fill(a)
             return _DoneWork() if a.get("async_op") else None
