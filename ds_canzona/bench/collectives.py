@@ -28,16 +28,17 @@ on a laptop; ``fake_engine`` lists what it has to patch for that.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from ..cli import Command
 
-__all__ = ["COLLECTIVES", "SYSTEMS", "CellResult", "run_cell", "run_world"]
+__all__ = ["COLLECTIVES", "SYSTEMS", "CellResult", "build_engine", "count_steps", "run_cell", "run_world", "summarise"]
 
 DEFAULT_DP = (8, 64, 256, 1024)
 DEFAULT_BUCKET_NUMEL = 500_000_000  # DeepSpeed's default reduce_bucket_size
@@ -100,7 +101,7 @@ def _build_model(config: dict[str, Any]):
     hf._attn_implementation = "sdpa"
     hf.use_cache = False
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(hf, torch_dtype=torch.bfloat16)
+    return AutoModelForCausalLM.from_config(hf, dtype=torch.bfloat16)
 
 
 def engine_config(system: System, stage: int, dp: int, bucket_numel: int) -> dict[str, Any]:
@@ -137,7 +138,8 @@ def _communication_bytes(engine) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _wrap_deepspeed_zero3(engine, log) -> None:
+@contextlib.contextmanager
+def _deepspeed_zero3_data_stated(engine, log) -> Iterator[None]:
     """State the data of DeepSpeed's ZeRO-3 fetches and gradient reduce-scatters, so their padding shows."""
     import deepspeed.runtime.zero.stage3 as ds_stage3
 
@@ -160,13 +162,17 @@ def _wrap_deepspeed_zero3(engine, log) -> None:
             return original_reduce(tensors, *args, **kwargs)
 
     ds_stage3.reduce_scatter_coalesced = reduce_scatter_coalesced
+    try:
+        yield
+    finally:
+        ds_stage3.reduce_scatter_coalesced = original_reduce
 
 
 _REDUCE_KINDS = ("reduce_scatter", "reduce_scatter_tensor", "reduce")
 _GATHER_KINDS = ("all_gather", "all_gather_into_tensor", "broadcast")
 
 
-def _summarise(calls, *, stage: int, model_numel: int, param_bytes: int, comm_bytes: int, log) -> dict[str, Any]:
+def summarise(calls, *, stage: int, model_numel: int, param_bytes: int, comm_bytes: int, stated_padding: int) -> dict[str, Any]:
     by_kind: dict[str, dict[str, int]] = {}
     for call in calls:
         row = by_kind.setdefault(call.kind, {"calls": 0, "launches": 0, "p2p_ops": 0, "payload": 0, "sent": 0})
@@ -182,44 +188,61 @@ def _summarise(calls, *, stage: int, model_numel: int, param_bytes: int, comm_by
         gathered = sum(by_kind.get(k, {}).get("payload", 0) for k in _GATHER_KINDS)
         padding = max(0, reduced - model_numel * comm_bytes) + max(0, gathered - model_numel * param_bytes)
     else:
-        padding = log.padding
+        padding = stated_padding
     return {"launches": sum(c.launches for c in calls), "p2p_ops": sum(c.p2p_ops for c in calls),
             "sent": int(round(sum(c.sent for c in calls))), "padding": int(padding), "by_kind": by_kind}
+
+
+def build_engine(system_key: str, stage: int, dp: int, source: dict[str, Any], *, bucket_numel: int):
+    """The DeepSpeed engine of one cell, in the current fake world (and fake tensor mode, if on)."""
+    import deepspeed
+
+    model = _build_model(model_config(source))
+    engine, *_ = deepspeed.initialize(model=model, config=engine_config(SYSTEMS[system_key], stage, dp, bucket_numel))
+    return engine
+
+
+def count_steps(engine, log, *, stage: int, steps: int = 2) -> list[list]:
+    """Take ``steps`` training steps on 1 x ``TOKENS`` tokens; the recorded calls of each step after the first."""
+    import torch
+
+    vocab = int(engine.module.config.vocab_size)
+    tokens = (torch.arange(TOKENS) * 7919 % vocab).view(1, TOKENS)
+    recorded = []
+    system_is_deepspeed = not hasattr(engine.optimizer, "plan")
+    data_stated = (_deepspeed_zero3_data_stated(engine, log) if system_is_deepspeed and stage == 3
+                   else contextlib.nullcontext())
+    with data_stated:
+        for step in range(steps):
+            log.reset()
+            log.active = step > 0  # the first step warms up (state allocation, DeepSpeed's ZeRO-3 trace)
+            loss = engine(input_ids=tokens, labels=tokens).loss
+            engine.backward(loss)
+            engine.step()
+            log.active = False
+            if step > 0:
+                recorded.append((list(log.calls), log.padding))
+    return recorded
 
 
 def run_cell(system_key: str, stage: int, dp: int, source: dict[str, Any], *, bucket_numel: int, log,
              fake: bool) -> CellResult:
     """Build the engine of one cell in the current fake world, take two steps, summarise the second."""
-    import torch
-
-    import deepspeed
     from ds_canzona.config import CanzonaConfigError
 
     from .fake_engine import fake_tensors
 
-    system = SYSTEMS[system_key]
     started = time.perf_counter()
     with fake_tensors(enabled=fake):
-        model = _build_model(model_config(source))
         try:
-            engine, *_ = deepspeed.initialize(model=model, config=engine_config(system, stage, dp, bucket_numel))
+            engine = build_engine(system_key, stage, dp, source, bucket_numel=bucket_numel)
         except CanzonaConfigError as error:
             return CellResult(system=system_key, stage=stage, dp=dp, launches=0, p2p_ops=0, sent=0, padding=0,
                               by_kind={}, seconds=time.perf_counter() - started, unavailable=str(error))
-        if system.runtime == "deepspeed" and stage == 3:
-            _wrap_deepspeed_zero3(engine, log)
-        vocab = int(model.config.vocab_size)
-        tokens = (torch.arange(TOKENS) * 7919 % vocab).view(1, TOKENS)
-        for step in range(2):
-            log.reset()
-            log.active = step == 1  # the first step warms up (state allocation, first fetches)
-            loss = engine(input_ids=tokens, labels=tokens).loss
-            engine.backward(loss)
-            engine.step()
-            log.active = False
+        [(calls, padding)] = count_steps(engine, log, stage=stage)
         numel, param_bytes = _model_bytes(engine)
-        summary = _summarise(log.calls, stage=stage, model_numel=numel, param_bytes=param_bytes,
-                             comm_bytes=_communication_bytes(engine), log=log)
+        summary = summarise(calls, stage=stage, model_numel=numel, param_bytes=param_bytes,
+                            comm_bytes=_communication_bytes(engine), stated_padding=padding)
         if hasattr(engine, "destroy"):
             engine.destroy()
     return CellResult(system=system_key, stage=stage, dp=dp, seconds=time.perf_counter() - started, **summary)
@@ -268,7 +291,9 @@ def run_collectives(args: argparse.Namespace) -> int:
 
 def _one_world(run_ranks, dp: int, cells, source, args) -> list[dict[str, Any]]:
     # One fresh process per world size: DeepSpeed keeps its groups for the rest of a process.
-    return run_ranks(_world_entry, 1, dp, cells, source, args.bucket_numel, not args.real, timeout=args.timeout)[0]
+    # DeepSpeed's Muon wraps its update in torch.compile, which would trace fake tensors; it changes no collective.
+    return run_ranks(_world_entry, 1, dp, cells, source, args.bucket_numel, not args.real, timeout=args.timeout,
+                     env={"TORCHDYNAMO_DISABLE": "1"})[0]
 
 
 def _world_entry(rank: int, world_size: int, dp: int, cells, source, bucket_numel: int, fake: bool):
