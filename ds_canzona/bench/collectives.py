@@ -38,7 +38,8 @@ from typing import Any
 
 from ..cli import Command
 
-__all__ = ["COLLECTIVES", "SYSTEMS", "CellResult", "build_engine", "count_steps", "run_cell", "run_world", "summarise"]
+__all__ = ["COLLECTIVES", "SYSTEMS", "CellResult", "build_engine", "count_steps", "format_markdown", "format_table",
+           "merge_documents", "run_cell", "run_world", "summarise"]
 
 DEFAULT_DP = (8, 64, 256, 1024)
 DEFAULT_BUCKET_NUMEL = 500_000_000  # DeepSpeed's default reduce_bucket_size
@@ -267,8 +268,24 @@ def run_world(rank: int, world_size: int, cells: list[tuple[str, int]], source: 
 
 # --------------------------------------------------------------------------- parent side
 def run_collectives(args: argparse.Namespace) -> int:
+    if args.from_json:
+        document = merge_documents([json.loads(open(path).read()) for path in args.from_json.split(",")])
+    else:
+        document = _count(args)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump(document, out)
+            out.write("\n")
+    print(format_markdown(document) if args.markdown else format_table(document))
+    return 0
+
+
+def _count(args: argparse.Namespace) -> dict[str, Any]:
     from ._ranks import run_ranks
 
+    unknown = [name for name in args.systems if name not in SYSTEMS]
+    if unknown:
+        raise ValueError(f"unknown --systems {', '.join(unknown)}: choose from {', '.join(SYSTEMS)}")
     source = {"model": args.model, "hf_config": args.hf_config, "layers": args.layers}
     name = args.model or args.hf_config
     if args.layers:
@@ -279,14 +296,18 @@ def run_collectives(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         results += _one_world(run_ranks, dp, cells, source, args)
         print(f"  DP {dp}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
-    document = {"model": name, "tensors": "real" if args.real else "fake (FakeTensorMode)",
-                "bucket_numel": args.bucket_numel, "tokens": TOKENS, "cells": results}
-    if args.json:
-        json.dump(document, sys.stdout)
-        sys.stdout.write("\n")
-    else:
-        print(format_table(document))
-    return 0
+    return {"model": name, "tensors": "real" if args.real else "fake (FakeTensorMode)",
+            "bucket_numel": args.bucket_numel, "tokens": TOKENS, "cells": results}
+
+
+def merge_documents(documents: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs of one model and setting (say one per DP range) as one document."""
+    first = documents[0]
+    for other in documents[1:]:
+        for key in ("model", "tensors", "bucket_numel", "tokens"):
+            if other[key] != first[key]:
+                raise ValueError(f"--from-json: the runs differ in {key} ({first[key]!r} vs {other[key]!r})")
+    return {**first, "cells": [cell for document in documents for cell in document["cells"]]}
 
 
 def _one_world(run_ranks, dp: int, cells, source, args) -> list[dict[str, Any]]:
@@ -304,18 +325,45 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:,.1f}"
 
 
+def _title(document: dict[str, Any]) -> str:
+    return (f"Collectives per step: {document['model']}, {document['tensors']} tensors, bf16, buckets of "
+            f"{document['bucket_numel']:,} elements, micro-batch 1 x {document['tokens']} tokens, rank 0")
+
+
+def _sorted_cells(document: dict[str, Any]) -> list[dict[str, Any]]:
+    return sorted(document["cells"], key=lambda c: (c["dp"], c["stage"], list(SYSTEMS).index(c["system"])))
+
+
 def format_table(document: dict[str, Any]) -> str:
-    lines = [f"Collectives per step: {document['model']}, {document['tensors']} tensors, bf16, buckets of "
-             f"{document['bucket_numel']:,} elements, micro-batch 1 x {document['tokens']} tokens, rank 0",
-             f"{'DP':>5} {'stage':>5}  {'system':<16} {'launches':>9} {'p2p ops':>9} {'sent MiB/rank':>14} "
-             f"{'padding MiB':>12}"]
-    for cell in sorted(document["cells"], key=lambda c: (c["dp"], c["stage"], c["system"])):
+    lines = [_title(document), f"{'DP':>5} {'stage':>5}  {'system':<16} {'launches':>9} {'p2p ops':>9} "
+             f"{'sent MiB/rank':>14} {'padding MiB':>12}"]
+    for cell in _sorted_cells(document):
         label = SYSTEMS[cell["system"]].label
         if cell.get("unavailable"):
             lines.append(f"{cell['dp']:>5} {cell['stage']:>5}  {label:<16} not available: {cell['unavailable']}")
             continue
         lines.append(f"{cell['dp']:>5} {cell['stage']:>5}  {label:<16} {cell['launches']:>9,} {cell['p2p_ops']:>9,} "
                      f"{_mib(cell['sent']):>14} {_mib(cell['padding']):>12}")
+    return "\n".join(lines)
+
+
+def format_markdown(document: dict[str, Any]) -> str:
+    """One row per (DP, stage): ds_canzona against DeepSpeed side by side, "-" where a cell did not run."""
+    rows: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
+    for cell in _sorted_cells(document):
+        rows.setdefault((cell["dp"], cell["stage"]), {})[cell["system"]] = cell
+
+    def pair(row, key, show) -> str:
+        return " / ".join("-" if row.get(s) is None or row[s].get("unavailable") else show(row[s][key])
+                          for s in SYSTEMS)
+
+    lines = [f"*{_title(document)}; each cell: ds_canzona / DeepSpeed*", "",
+             "| DP | stage | launches | NCCL ops | sent MiB per rank | padding MiB |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for (dp, stage), row in rows.items():
+        lines.append(f"| {dp} | {stage} | {pair(row, 'launches', '{:,}'.format)} | "
+                     f"{pair(row, 'p2p_ops', '{:,}'.format)} | {pair(row, 'sent', _mib)} | "
+                     f"{pair(row, 'padding', _mib)} |")
     return "\n".join(lines)
 
 
@@ -332,6 +380,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", metavar="NAME", help=f"a shipped config: {', '.join(shipped_models())}")
     source.add_argument("--hf-config", metavar="PATH", help="a HuggingFace config.json (file or folder)")
+    source.add_argument("--from-json", metavar="A.json,B.json", help="print earlier --json runs (of one model) "
+                        "together, running nothing")
     parser.add_argument("--layers", type=int, default=None, metavar="L", help="override num_hidden_layers")
     parser.add_argument("--dp", type=_positive_list, default=DEFAULT_DP, metavar="R,R,...",
                         help="data-parallel sizes (default 8,64,256,1024)")
@@ -343,7 +393,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--real", action="store_true", help="real tensors (the model must fit in memory) "
                         "instead of FakeTensorMode")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per DP size")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--json", metavar="FILE", help="also write every number to FILE")
+    parser.add_argument("--markdown", action="store_true", help="print the table as markdown, the two systems "
+                        "side by side")
 
 
 COLLECTIVES = Command(description="Collective launches, NCCL operations, bytes and padding per training step, "
