@@ -291,6 +291,11 @@ def _count(args: argparse.Namespace) -> dict[str, Any]:
     if args.layers:
         name += f" ({args.layers} layers)"
     cells = [(system, stage) for stage in args.stages for system in args.systems if stage in SYSTEMS[system].stages]
+    if args.cells:
+        cells = [(cell.split(":")[0], int(cell.split(":")[1])) for cell in args.cells.split(",")]
+        unknown = [f"{system}:{stage}" for system, stage in cells if system not in SYSTEMS]
+        if unknown:
+            raise ValueError(f"unknown --cells {', '.join(unknown)}: systems are {', '.join(SYSTEMS)}")
     results = []
     for dp in args.dp:
         started = time.perf_counter()
@@ -388,6 +393,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stages", type=_positive_list, default=(1, 2, 3), metavar="S,S", help="ZeRO stages")
     parser.add_argument("--systems", type=lambda t: tuple(t.split(",")), default=tuple(SYSTEMS),
                         metavar="NAME,NAME", help=f"of {', '.join(SYSTEMS)}")
+    parser.add_argument("--cells", metavar="SYSTEM:STAGE,...", help="exactly these (system, stage) pairs, instead "
+                        "of --systems x --stages (e.g. canzona:2,deepspeed:2,canzona:3)")
     parser.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL, metavar="N",
                         help="reduce_bucket_size and allgather_bucket_size (default 5e8)")
     parser.add_argument("--real", action="store_true", help="real tensors (the model must fit in memory) "
