@@ -134,9 +134,7 @@ def _model_bytes(engine) -> tuple[int, int]:
 
 
 def _communication_bytes(engine) -> int:
-    dtype = engine.communication_data_type
-    import torch
-    return torch.empty((), dtype=dtype).element_size()
+    return engine.communication_data_type.itemsize
 
 
 @contextlib.contextmanager
