@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "makespan": ("ds_canzona.bench.makespan:MAKESPAN", "optimizer-step makespan at DP 16-128, real per-tensor compute"),
     "zero3-memory": ("ds_canzona.bench.memory3:ZERO3_MEMORY", "memory per rank at ZeRO-3 vs DeepSpeed's ZeRO-3 Muon"),
     "gpu-check": ("ds_canzona.bench.gpu_check:GPU_CHECK", "the GPU session's phases: kernels vs float64, engine steps, NS timings"),
+    "collectives": ("ds_canzona.bench.collectives:COLLECTIVES", "collective launches, NCCL ops, bytes per step at DP 8-1024 (fake world)"),
     "calibrate": ("ds_canzona.bench.calibrate:CALIBRATE", "measure this device's machine balance for the roofline cost"),
 }
 
