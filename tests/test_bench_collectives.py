@@ -6,9 +6,11 @@ and then under FakeTensorMode, and records the collectives of steps 2 and 3 of e
 
 What each count must be is derived from the engine, not from the recorder:
 
-- ds_canzona: per bucket of its plan one reduce-scatter and one all-gather, each of P NCCL
-  operations where the bucket's cuts give segments of unequal size (1 where they are equal),
-  carrying the bucket's bytes, plus the one all-reduce of the per-item squared norms;
+- ds_canzona: per bucket of its plan one reduce-scatter launch and one all-gather launch, in the
+  form the runtime chose for the bucket (``collective_forms``): grouped, one ``reduce`` /
+  ``broadcast`` per non-empty segment of the bucket's cuts inside one coalesced launch, carrying
+  the bucket's bytes; padded, one ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` over P
+  slots of the largest segment; plus the one all-reduce of the per-item squared norms;
 - DeepSpeed: one all-gather per parameter group of its flat bf16 buffers (``bit16_groups_flat``),
   carrying those buffers; its gradients are all-reduced, each once, so the all-reduces above a few
   bytes carry the model's gradients in bf16.
@@ -29,13 +31,29 @@ BUCKET_NUMEL = 4000  # a few buckets on the tiny model
 
 
 def _expected_canzona(engine) -> dict:
+    """Per kind of call: (calls, launches, NCCL operations, payload bytes), from the plan's cuts and forms."""
     zero = engine.optimizer
-    buckets = range(len(zero.plan.buckets))
-    sizes = [[cuts[r + 1] - cuts[r] for r in range(WORLD)] for cuts in (zero.layout.bucket_cuts[b] for b in buckets)]
-    ops = sum(1 if len(set(s)) == 1 else WORLD for s in sizes)
-    payload = sum(zero.layout.bucket_numel[b] for b in buckets) * 2  # bf16 gradients and parameters
-    return {"reduce_scatter": (len(sizes), ops, payload), "all_gather": (len(sizes), ops, payload),
-            "all_reduce_calls": 1}
+    expected: dict[str, list[int]] = {}
+
+    def add(kind, calls, ops, payload):
+        row = expected.setdefault(kind, [0, 0, 0, 0])
+        row[0] += calls
+        row[1] += 1  # one launch: a grouped form's calls go out as one coalesced block
+        row[2] += ops
+        row[3] += payload
+
+    for b in range(len(zero.plan.buckets)):
+        cuts = zero.layout.bucket_cuts[b]
+        sizes = [cuts[r + 1] - cuts[r] for r in range(WORLD)]
+        nonempty = sum(1 for size in sizes if size)
+        for collective, grouped_kind, padded_kind in (("reduce_scatter", "reduce", "reduce_scatter_tensor"),
+                                                      ("all_gather", "broadcast", "all_gather_into_tensor")):
+            form = getattr(zero.collective_forms, collective)[b]
+            if form == "grouped":
+                add(grouped_kind, nonempty, nonempty, sum(sizes) * 2)  # bf16 gradients and parameters
+            else:
+                add(padded_kind, 1, 1, WORLD * max(sizes) * 2)
+    return {kind: tuple(row) for kind, row in expected.items()}
 
 
 def _expected_deepspeed(engine) -> dict:
@@ -71,6 +89,7 @@ def count_both(rank: int, world_size: int) -> dict:
                     engine.destroy()
                 out[(system, fake)] = {"steps": [_signature(calls) for calls, _ in steps], "expected": expected,
                                        "summary": summary,
+                                       "buckets": len(engine.optimizer.plan.buckets) if system == "canzona" else None,
                                        "norm_sized": [c.payload for c in steps[0][0] if c.kind == "all_reduce"]}
     return out
 
@@ -85,15 +104,15 @@ def test_counts_match_the_plans_and_fake_tensors_match_real_ones():
 
     canzona = out[("canzona", False)]
     kinds = canzona["summary"]["by_kind"]
-    for kind in ("reduce_scatter", "all_gather"):
-        calls, ops, payload = canzona["expected"][kind]
-        assert (kinds[kind]["calls"], kinds[kind]["launches"], kinds[kind]["p2p_ops"], kinds[kind]["payload"]) == (
-            calls, calls, ops, payload), kind
-        assert ops > calls, "the tiny plan has uneven buckets: each should be P operations on NCCL"
-    assert kinds["all_reduce"]["calls"] == canzona["expected"]["all_reduce_calls"]
-    assert set(kinds) == {"reduce_scatter", "all_gather", "all_reduce"}
-    assert canzona["summary"]["launches"] == 2 * canzona["expected"]["reduce_scatter"][0] + 1
-    assert canzona["summary"]["padding"] == 0  # uneven segments carry no padding
+    expected = canzona["expected"]
+    for kind, (calls, launches, ops, payload) in expected.items():
+        got = kinds[kind]
+        assert (got["calls"], got["launches"], got["p2p_ops"], got["payload"]) == (calls, launches, ops, payload), kind
+    assert kinds["all_reduce"]["calls"] == 1  # the per-item squared norms
+    assert set(kinds) == set(expected) | {"all_reduce"}
+    assert canzona["summary"]["launches"] == 2 * canzona["buckets"] + 1
+    if set(expected) == {"reduce", "broadcast"}:
+        assert canzona["summary"]["padding"] == 0  # uneven segments, no padded form: no padding
 
     deepspeed = out[("deepspeed", False)]
     kinds = deepspeed["summary"]["by_kind"]

@@ -167,6 +167,13 @@ class _DoneWork:
         return future
 
 
+class _DoneGroup(_DoneWork):
+    """What torch's coalescing manager yields: the group's handle, with the works it collected (none here)."""
+
+    def __init__(self) -> None:
+        self.works: list = []
+
+
 def _site() -> str:
     frame = sys._getframe(3)
     fallback = None
@@ -256,7 +263,7 @@ class CollectiveLog:
             self._coalesced_launched = False
         self._coalescing += 1
         try:
-            yield _DoneWork() if async_ops else None
+            yield _DoneGroup()  # torch yields its manager object whether or not the ops are async
         finally:
             self._coalescing -= 1
 

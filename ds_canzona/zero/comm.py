@@ -155,7 +155,10 @@ def _all_gather_padded(flat: torch.Tensor, cuts: tuple[int, ...], rank: int, *, 
     gathered = flat
     if world * largest != flat.numel():
         gathered = torch.empty(world * largest, dtype=flat.dtype, device=flat.device)
-        gathered[rank * largest:rank * largest + cuts[rank + 1] - cuts[rank]].copy_(flat[cuts[rank]:cuts[rank + 1]])
+        own = cuts[rank + 1] - cuts[rank]
+        gathered[rank * largest:rank * largest + own].copy_(flat[cuts[rank]:cuts[rank + 1]])
+        # The padding is sent but never read; zeroed, the bytes on the wire do not depend on old memory.
+        gathered[rank * largest + own:(rank + 1) * largest].zero_()
     counter.add("all_gather", gathered.numel() * element, padding_bytes=(gathered.numel() - flat.numel()) * element)
     _quiet_tensor_collectives()
     dist.all_gather_into_tensor(gathered, gathered[rank * largest:(rank + 1) * largest], group=group)
