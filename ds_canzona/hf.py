@@ -96,9 +96,6 @@ def check_trainer_config(config: str | Path | dict[str, Any]) -> dict[str, Any]:
             raise ConfigFileError("with a 'canzona' section the DeepSpeed config needs an 'optimizer' section: "
                                   "without it the Trainer builds torch.optim.AdamW itself (and it drops "
                                   "Trainer(optimizers=...) under DeepSpeed)")
-        offload = (config.get("zero_optimization") or {}).get("offload_optimizer") or {}
-        if offload.get("device", "none") not in ("none", None):
-            raise ConfigFileError("the 'canzona' section does not support zero_optimization.offload_optimizer")
     return config
 
 
