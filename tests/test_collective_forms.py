@@ -1,7 +1,7 @@
 """Grouped and padded bucket collectives: the choice, its config key, and both forms at work.
 
 - The choice (``ds_canzona.plan.collectives``) in one process: the cost model in both directions,
-  the override, the constants, invalid settings; the config key's errors.
+  the override, the constants, invalid settings; the config key's errors; the plan command's report.
 - Equal results, on 3 gloo ranks (one spawn): the tiny model's buckets at DP=3 have uneven
   segments and empty ones. Stage 2 grouped and padded, and stage 1 padded, train 3 steps on
   gradients rounded to multiples of 2**-20 (so the sum over ranks is exact in fp32 whatever
@@ -274,3 +274,21 @@ def test_bucket_collectives_refuse_an_unknown_form_and_a_short_output():
         all_gather_bucket(flat, cuts, 0, "default", group=None, counter=CommCounter())
     with pytest.raises(ValueError, match="writes 5 elements"):  # before any collective is issued
         reduce_scatter_bucket(torch.zeros(1), flat, cuts, "padded", group=None, counter=CommCounter(), async_op=False)
+
+
+def test_plan_command_reports_the_forms_and_their_padding(capsys):
+    import json
+
+    from ds_canzona.cli import main
+    from ds_canzona.plan.collectives import padding_numel
+
+    assert main(["plan", "--model", "qwen3-0.6b", "--dp", "8", "--json", "--collectives", "padded"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    cuts = [bucket["cuts"] for bucket in document["buckets"]]
+    reduce_scatter = document["collectives"]["reduce_scatter"]
+    assert reduce_scatter["forms"] == ["padded"] * len(cuts) and reduce_scatter["grouped"] == 0
+    assert reduce_scatter["padding_bytes"] == 2 * sum(padding_numel(c) for c in cuts)  # bf16
+    assert reduce_scatter["padded_s"] > reduce_scatter["grouped_s"]  # whole-tensor segments: padding costs more
+    assert main(["plan", "--model", "qwen3-0.6b", "--dp", "8"]) == 0
+    table = capsys.readouterr().out
+    assert "collectives (default, backend nccl), per step:" in table and "0 buckets padded" in table
