@@ -1,7 +1,7 @@
 """Grouped and padded bucket collectives: the choice, its config key, and both forms at work.
 
 - The choice (``ds_canzona.plan.collectives``) in one process: the cost model in both directions,
-  the override, the constants, invalid settings; the config key's errors.
+  the override, the constants, invalid settings; the config key's errors; the plan command's report.
 - Equal results, on 3 gloo ranks (one spawn): the tiny model's buckets at DP=3 have uneven
   segments and empty ones. Stage 2 grouped and padded, stage 1 padded, and stages 2 and 1 with the
   grouped reduce-scatter of other backends (a reduce per non-empty segment, switched on for gloo), train 3 steps on
@@ -354,3 +354,21 @@ def test_plan_report_counts_the_operations_of_the_chosen_forms():
     padded = bucket_forms([(0, 8, 8, 8, 8), (0, 4, 4, 9, 12)], reduce_scatter_bytes=4, all_gather_bytes=2,
                           backend="nccl", setting="padded")
     assert "2 buckets padded, 0 grouped, 2 operations" in format_collective_forms(padded)
+
+
+def test_plan_command_reports_the_forms_and_their_padding(capsys):
+    import json
+
+    from ds_canzona.cli import main
+    from ds_canzona.plan.collectives import padding_numel
+
+    assert main(["plan", "--model", "qwen3-0.6b", "--dp", "8", "--json", "--collectives", "padded"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    cuts = [bucket["cuts"] for bucket in document["buckets"]]
+    reduce_scatter = document["collectives"]["reduce_scatter"]
+    assert reduce_scatter["forms"] == ["padded"] * len(cuts) and reduce_scatter["grouped"] == 0
+    assert reduce_scatter["padding_bytes"] == 2 * sum(padding_numel(c) for c in cuts)  # bf16
+    assert reduce_scatter["padded_s"] > reduce_scatter["grouped_s"]  # whole-tensor segments: padding costs more
+    assert main(["plan", "--model", "qwen3-0.6b", "--dp", "8"]) == 0
+    table = capsys.readouterr().out
+    assert "collectives (default, backend nccl), per step:" in table and "0 buckets padded" in table
