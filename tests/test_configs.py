@@ -210,9 +210,9 @@ def test_check_trainer_config():
         check_trainer_config({**base, "canzona": {"kernels": "auto"}})
     with pytest.raises(ConfigFileError, match="needs an 'optimizer' section"):
         check_trainer_config({"zero_optimization": {"stage": 2}, "canzona": {}})
+    # Optimizer offload to the host is supported; what is not (NVMe, ratio < 1) the engine refuses at init.
     offload = {**base, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
-    with pytest.raises(ConfigFileError, match="offload_optimizer"):
-        check_trainer_config(offload)
+    assert check_trainer_config(offload) == offload
     disabled = {"zero_optimization": {"stage": 2}, "canzona": {"enabled": False}}
     assert check_trainer_config(disabled) == disabled
     assert check_trainer_config(CONFIG_DIR / "zero2_muon.hjson")["canzona"]["kernels"] == "default"
