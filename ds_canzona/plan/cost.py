@@ -103,10 +103,11 @@ DEFAULT_MACHINE_BALANCE = {"cpu": 30.0, "cuda": 150.0}
 # Kernel launches of one step, as the rules in ds_canzona.optim run them on their torch path (the
 # CPU, and wherever the Triton kernels are off): every dispatched op that writes a tensor of one
 # or more dims; views and the 0-dim step counter do not count (tests/test_plan_cost.py counts them
-# from the rules). Weight decay is counted on (one launch). AdamW runs in foreach groups
-# (optim/adamw.py): a tensor alone in its group costs 3 launches, a group of n tensors about 10 for
-# all n, so 3 is what one item costs at most.
-ADAMW_LAUNCHES = 3
+# from the rules). Weight decay is counted on (one launch). AdamW: lerp of m, g², lerp of v, two
+# bias corrections, sqrt, + eps, divide, decay, update: the per-tensor sequence. The rule now runs in
+# foreach groups (3 launches for a tensor alone, about 10 for a group of n); this count is not yet
+# updated to that, since it re-plans every model (docs/NOTES.md, session 7).
+ADAMW_LAUNCHES = 10
 # Muon per tensor: momentum lerp, Nesterov lerp, decay, update; per matrix: the Frobenius norm, its
 # scale, + eps, the divide; one more to make a tall matrix's transpose contiguous, and for a stack
 # of matrices one output allocation per tensor and one copy per matrix. Newton-Schulz: see
