@@ -197,7 +197,11 @@ def trainer_on_two_ranks(rank: int, world_size: int, outdir: str) -> dict:
         trainer = _tiny_trainer(arguments)
         trainer.train()
     engine = trainer.model_wrapped
+    plain_losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    plain_params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    offloaded = _trainer_with_offload(f"{outdir}/offload", common, plain_params, plain_losses, rank)
     return {
+        "offloaded": offloaded,
         "from_path": from_path,
         "refusals": refusals,
         "trainer_world_size": arguments.world_size,
@@ -206,6 +210,44 @@ def trainer_on_two_ranks(rank: int, world_size: int, outdir: str) -> dict:
         "optimizer": type(engine.optimizer).__module__,
         "lrs": [group["lr"] for group in engine.optimizer.optimizer.param_groups],
         "warnings": [str(w.message) for w in caught],
+    }
+
+
+def _trainer_with_offload(outdir: str, common: dict, plain_params: dict, plain_losses: list, rank: int) -> dict:
+    """The documented way with ds_configs/zero2_muon_offload.hjson, saving at its last step.
+
+    That config is zero2_muon.hjson plus the offload keys, and an offloaded step runs the same
+    rules on the same values (tests/test_offload.py), so the Trainer's losses and parameters must
+    equal the run without offload bit for bit: the Trainer changes nothing about that.
+    """
+    import torch
+    from safetensors.torch import load_file
+
+    from ds_canzona.hf import training_arguments
+
+    _reset_accelerate()
+    steps = common["max_steps"]
+    arguments = training_arguments(CONFIG_DIR / "zero2_muon_offload.hjson", output_dir=outdir,
+                                   **{**common, "save_strategy": "steps", "save_steps": steps})
+    trainer = _tiny_trainer(arguments)
+    trainer.train()
+    zero = trainer.model_wrapped.optimizer
+    trained = dict(trainer.model_wrapped.module.named_parameters())
+    checkpoint = Path(outdir) / f"checkpoint-{steps}"
+    saved = load_file(checkpoint / "model.safetensors") if rank == 0 else {}
+    return {
+        "optimizer": type(zero).__module__,
+        "offload": zero.offload.summary() if zero.offload is not None else None,
+        "masters_on_host": all(t.master.device.type == "cpu" for t in zero.owned_tensors()),
+        "bytes_moved": zero.offload.counter.total_to_device + zero.offload.counter.total_to_host
+        if zero.offload is not None else 0,
+        "losses_equal": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry] == plain_losses,
+        "params_differ": [n for n, p in trained.items() if not torch.equal(p, plain_params[n])],
+        "unmoved": [n for n, p in _tiny_model().named_parameters() if torch.equal(p, trained[n])],
+        "engine_checkpoint": (checkpoint / f"global_step{steps}").is_dir(),
+        # The state dict, not the parameters: it names the tied head too.
+        "saved_differ": [n for n, p in saved.items() if not torch.equal(p, trainer.model_wrapped.module.state_dict()[n])],
+        "saved_count": len(saved),
     }
 
 
@@ -226,6 +268,20 @@ def test_trainer_on_cpu_ranks_plain_script_refused_documented_hjson_way_trains(t
         stepped_early = [w for w in result["warnings"] if "lr_scheduler.step()" in w]
         assert not stepped_early, stepped_early
     assert results[0]["losses"] == results[1]["losses"], "the logged loss is the mean over ranks"
+
+    # ds_configs/zero2_muon_offload.hjson under the Trainer: ds_canzona's optimizer with its state on
+    # the host, the run equal to zero2_muon.hjson's bit for bit, and the Trainer's save written.
+    for rank, result in enumerate(results):
+        offloaded = result["offloaded"]
+        assert offloaded["optimizer"] == "ds_canzona.zero.stage12", offloaded["optimizer"]
+        assert offloaded["offload"] is not None and "offload_optimizer cpu" in offloaded["offload"]
+        assert offloaded["masters_on_host"] and offloaded["bytes_moved"] > 0
+        assert offloaded["losses_equal"], "losses with offload differ from the run without"
+        assert offloaded["params_differ"] == [], offloaded["params_differ"][:3]
+        assert offloaded["engine_checkpoint"], "the Trainer's checkpoint holds the engine's own"
+        assert offloaded["unmoved"] == [], "two steps move every parameter"
+    saving = results[0]["offloaded"]
+    assert saving["saved_count"] > 0 and saving["saved_differ"] == [], saving["saved_differ"][:3]
 
 
 def trainer_at_stage3(rank: int, world_size: int, outdir: str) -> dict:
@@ -253,19 +309,40 @@ def trainer_at_stage3(rank: int, world_size: int, outdir: str) -> dict:
     # gathers the model module by module to rank 0 through the owner layout's fetch.
     import deepspeed
 
-    def gathered() -> dict:
+    def gathered(model) -> dict:
         with deepspeed.zero.GatheredParameters(list(model.parameters())):
             return {n: p.detach().clone() for n, p in model.named_parameters()}
 
-    trained = gathered()
+    trained = gathered(model)
     trainer.save_model(f"{outdir}/final")
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    after_save = gathered(model)  # the save's gather and release (modifier_rank=0) left the shards as they were
+
+    # ds_configs/zero3_muon_offload.hjson, the same way: zero3_muon.hjson plus the offload keys.
+    _reset_accelerate()
+    arguments = training_arguments(CONFIG_DIR / "zero3_muon_offload.hjson", output_dir=f"{outdir}/zero3_offload",
+                                   max_steps=3, report_to="none", save_strategy="no", disable_tqdm=True,
+                                   logging_steps=1, lr_scheduler_type="constant")
+    torch.manual_seed(0)
+    offload_model = AutoModelForCausalLM.from_config(Qwen3Config(**json.loads(TINY_MODEL.read_text())))
+    offload_trainer = Trainer(model=offload_model, args=arguments, train_dataset=dataset)
+    offload_trainer.train()
+    offload_zero = offload_trainer.model_wrapped.optimizer
+    offloaded = {
+        "optimizer": type(offload_zero).__module__,
+        "offload": offload_zero.offload.summary() if offload_zero.offload is not None else None,
+        "masters_on_host": all(t.master.device.type == "cpu" for t in offload_zero.owned_tensors()),
+        "losses": [entry["loss"] for entry in offload_trainer.state.log_history if "loss" in entry],
+        "params": gathered(offload_model),
+    }
     return {
+        "offloaded": offloaded,
         "trained": trained,
-        "after_save": gathered(),  # the save's gather and release (modifier_rank=0) left the shards as they were
+        "after_save": after_save,
         "saved": _saved_weights(f"{outdir}/final") if rank == 0 else None,
         "built_under_zero_init": built_under_zero_init,
         "optimizer": type(zero).__module__,
-        "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
+        "losses": losses,
         "steps": trainer.state.global_step,
         "kinds": {name: group["kind"] for name, group in zip(zero.names, zero.groups)},
         "owned": [t.name for t in zero.owned_tensors()],
@@ -304,3 +381,13 @@ def test_trainer_at_stage3_builds_the_model_under_zero_init_and_trains_with_owne
     for result in results:
         for name, value in result["after_save"].items():
             assert torch.equal(value, result["trained"][name]), name
+    # With zero3_muon_offload.hjson: ds_canzona's owner placement with its state on the host, and the
+    # same run bit for bit (an offloaded step runs the same rules on the same values).
+    for result in results:
+        offloaded = result["offloaded"]
+        assert offloaded["optimizer"] == "ds_canzona.zero.stage3"
+        assert offloaded["offload"] is not None and "offload_optimizer cpu" in offloaded["offload"]
+        assert offloaded["masters_on_host"]
+        assert offloaded["losses"] == result["losses"]
+        different = [n for n, p in offloaded["params"].items() if not torch.equal(p, result["trained"][n])]
+        assert not different and offloaded["params"].keys() == result["trained"].keys(), different[:3]
