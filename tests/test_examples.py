@@ -3,6 +3,8 @@
 - examples/train_qwen3.py, ZeRO stage 1, 2 and 3 with Muon: the loss falls, checkpoints are
   written, and a run resumed from the middle checkpoint ends with the same losses and the same
   checkpoint tensors as the run that did not stop; wrong inputs end with one line and status 2.
+- the shipped offload configs (ds_configs/zero2_muon_offload.hjson, zero3_muon_offload.hjson)
+  under the launcher: train and save; the ZeRO-2 one resumes to the same checkpoint tensors.
 - examples/hf_trainer.py (HF Trainer + ``import ds_canzona``): the loss falls, checkpoints are
   saved, and resuming from checkpoint-3 reaches the same weights at step 6 as the run that did
   not stop.
@@ -117,6 +119,39 @@ def test_launcher_trains_saves_and_resumes(stage: int, tmp_path: Path):
     assert sorted(steps_resumed) == ["4", "5", "6"]
     assert {k: steps_full[k] for k in steps_resumed} == steps_resumed
     assert_same_tensors(tensors_of(full / "step6"), tensors_of(resumed / "step6"))
+
+
+@pytest.mark.parametrize("config_name", ["zero2_muon_offload", "zero3_muon_offload"])
+def test_launcher_trains_with_the_shipped_offload_configs(config_name: str, tmp_path: Path):
+    """The shipped offload configs as a user runs them: trains, saves; ZeRO-2 also resumes bit for bit.
+
+    One launch per config, and the resume only at ZeRO-2 (CI time); tests/test_offload.py checks
+    offloaded checkpoints at every stage and across world sizes.
+    """
+    config = str(REPO / "ds_configs" / f"{config_name}.hjson")
+    steps, save_every = (4, 2) if config_name.startswith("zero2") else (3, 3)
+    full = tmp_path / "full"
+    output = launch(TRAIN, "--deepspeed_config", config, "--steps", str(steps), "--save-dir", str(full),
+                    "--save-every", str(save_every), "--no-progress")
+    final, start = final_losses(output)
+    assert final < start - 0.3, output[-3000:]
+    # Rank 0's plan log says the owners' state is on the host, and which runtime trained.
+    assert "ds_canzona offload_optimizer cpu: owned fp32 masters and optimizer state in host memory" in output
+    assert ("ds_canzona ZeRO-3 owner plan" in output) == config_name.startswith("zero3"), output[-3000:]
+    assert (full / "latest").read_text().strip() == f"step{steps}"
+    if not config_name.startswith("zero2"):
+        return
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(full / f"step{save_every}", resumed / f"step{save_every}")
+    (resumed / "latest").write_text(f"step{save_every}")
+    output2 = launch(TRAIN, "--deepspeed_config", config, "--steps", str(steps), "--save-dir", str(resumed),
+                     "--resume", "--no-progress")
+    assert "resumed from" in output2, output2[-3000:]
+    steps_full, steps_resumed = dict(STEP.findall(output)), dict(STEP.findall(output2))
+    assert sorted(steps_resumed) == [str(s) for s in range(save_every + 1, steps + 1)]
+    assert {k: steps_full[k] for k in steps_resumed} == steps_resumed
+    assert_same_tensors(tensors_of(full / f"step{steps}"), tensors_of(resumed / f"step{steps}"))
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
