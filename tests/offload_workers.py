@@ -123,4 +123,24 @@ def deepspeed_offload_parity(rank: int, world_size: int, stage: int) -> dict:
         out[label] = _train(engine, rank, world_size, capture=False)["params"]
         if canzona:
             out["offloaded"] = engine.optimizer.offload is not None
+        else:
+            out["bytes"] = _metered_step(engine, rank, world_size)
     return out
+
+
+def _metered_step(engine, rank: int, world_size: int) -> dict:
+    """One more step of DeepSpeed's offloaded Muon, its host<->device copies metered and counted from its code."""
+    from ds_canzona.bench.offload_bytes import HostDeviceCopyMeter, deepspeed_host_storages, deepspeed_zero2_step_bytes
+    from param_group_workers import MICRO_BATCH, STEPS
+
+    zero = engine.optimizer
+    no_grad = {id(p) for n, p in engine.module.named_parameters() if n.startswith("unused.")}
+    from_code = deepspeed_zero2_step_bytes(zero, momentum_exists=True, without_grad=no_grad)
+    meter = HostDeviceCopyMeter(lambda: deepspeed_host_storages(zero))
+    with meter:
+        engine.backward(engine(batches(STEPS, 0, rank, world_size, MICRO_BATCH)))
+        engine.step()
+    muon_slices = sum(zero.grad_position[zero.get_param_id(p)][3] for params in zero.params_in_partition
+                      for p in params if getattr(p, "use_muon", False))
+    return {"metered": meter.count, "from_code": from_code, "muon_slice_numel": muon_slices,
+            "partition_numel": sum(int(n) for n in zero.partition_size)}

@@ -280,7 +280,8 @@ def test_matches_deepspeeds_offloaded_muon():
     from test_param_groups import DEEPSPEED_PARITY
     from tiny_model import make_moe_model
 
-    result = run_ranks(deepspeed_offload_parity, 2, 2, timeout=900)[0]
+    results = run_ranks(deepspeed_offload_parity, 2, 2, timeout=900)
+    result = results[0]
     assert result["offloaded"]
     start = {n: p.detach() for n, p in make_moe_model().named_parameters()}
     worst = {}
@@ -293,3 +294,40 @@ def test_matches_deepspeeds_offloaded_muon():
     print("worst relative difference to DeepSpeed's offloaded Muon:", max(worst.items(), key=lambda kv: kv[1]))
     assert max(worst.values()) < DEEPSPEED_PARITY, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
     assert len(worst) == len(result["deepspeed"]) - 1
+
+    # DeepSpeed's host<->device bytes of one more step (bench step-offload's count): every copy_ its
+    # run made between its host tensors and the rest equals the count read from its code, on
+    # both ranks, on a model whose unused layer skips the gradient copy but not the Muon update.
+    for rank, ranked in enumerate(results):
+        moved = ranked["bytes"]
+        assert moved["muon_slice_numel"] > 0 and moved["metered"].to_host > 0, (rank, moved)
+        assert moved["metered"] == moved["from_code"], (rank, moved)
+        # At least the whole fp32 partition back to the device, and two fp32 tensors per Muon element each way.
+        assert moved["metered"].to_device >= 4 * (moved["partition_numel"] + 2 * moved["muon_slice_numel"]), moved
+
+
+# --------------------------------------------------------------------------- the host<->device copy meter
+
+def test_copy_meter_counts_copies_across_the_host_boundary_at_the_crossing_dtype():
+    """bench step-offload's meter of DeepSpeed's copies, on tensors whose placement the test declares.
+
+    Copies count once, in their direction, only when exactly one side is a declared host tensor
+    (views count as their storage); a conversion counts at the dtype PyTorch moves (module
+    docstring of ds_canzona.bench.offload_bytes); one-element copies are not counted.
+    """
+    from ds_canzona.bench.offload_bytes import CopyCount, HostDeviceCopyMeter
+
+    host = torch.zeros(64)
+    device = torch.zeros(64, dtype=torch.bfloat16)
+    other_device = torch.zeros(16)
+    meter = HostDeviceCopyMeter(lambda: {host.untyped_storage().data_ptr()})
+    with meter:
+        device.copy_(host)                            # to device, converted on the host: 64 bf16
+        host.narrow(0, 8, 16).copy_(other_device)     # to host, blocking: 16 fp32
+        host.narrow(0, 0, 32).copy_(device[:32], non_blocking=True)  # to host, converted on the device: 32 fp32
+        host.narrow(0, 0, 32).copy_(device[:32])      # to host, blocking: 32 bf16
+        other_device.copy_(device[:16])               # device to device: not counted
+        host[:16].copy_(host[16:32])                  # host to host: not counted
+        host[:1].copy_(other_device[:1])              # one element: not counted
+        host.add_(1.0)                                # not a copy
+    assert meter.count == CopyCount(to_device=64 * 2, to_host=16 * 4 + 32 * 4 + 32 * 2)

@@ -3,9 +3,17 @@
 Both systems train the same small decoder-shaped model (fp32, ZeRO stage 2) on gloo ranks with
 ``offload_optimizer: {"device": "cpu"}``; per DP size the rows give the iteration time (median of
 the timed steps, slowest rank), Newton-Schulz runs per rank per step (ds_canzona: the matrices the
-rank owns; DeepSpeed: every matrix on every rank), bytes copied host<->device per rank per step
-(ds_canzona's ``OptimizerOffload.counter``; DeepSpeed's copies are not instrumented, "n/c") and host
-memory per rank (ds_canzona: the owned masters and state; both: the process's peak RSS).
+rank owns; DeepSpeed: every matrix on every rank), bytes copied host<->device per rank per step and host memory per rank (the fp32 masters and
+optimizer state; and the process's peak RSS).
+
+The bytes: ds_canzona's from its offload's own counter (``OptimizerOffload.counter``: every
+master and state staged to the device and back, every non-matrix gradient to the host and its new
+parameter values back), the largest over the timed steps. DeepSpeed's from one more step after
+the timed ones, run under ``offload_bytes.HostDeviceCopyMeter`` (every ``copy_`` between the
+memory DeepSpeed keeps on the host and anything else), and cross-checked against the count read
+from its code (``offload_bytes.deepspeed_zero2_step_bytes``); the JSON says whether they agree.
+One-element copies (norms, flags) are not counted on either side. DeepSpeed's host memory
+also holds its fp32 gradient partition and a bit16 staging copy of the partition, reported apart.
 
 DeepSpeed's offload builds ``DeepSpeedCPUAdam``: where its ``cpu_adam`` op does not load, its rows
 say so and only ds_canzona's run. On the CPU accelerator "device" and host are the same memory:
@@ -15,6 +23,7 @@ the bytes are what a GPU would move, the times are not a GPU's.
 from __future__ import annotations
 
 import argparse
+import json
 import resource
 import statistics
 import time
@@ -68,6 +77,7 @@ def _rank_main(rank: int, world_size: int, systems: list[str]) -> list[dict[str,
     import deepspeed
     import ds_canzona  # noqa: F401  (registers the engine hook)
     from ds_canzona.bench._instrument import NewtonSchulzMeter
+    from ds_canzona.bench.offload_bytes import HostDeviceCopyMeter, deepspeed_host_storages, deepspeed_zero2_step_bytes
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     ns = NewtonSchulzMeter().install()
@@ -91,12 +101,39 @@ def _rank_main(rank: int, world_size: int, systems: list[str]) -> list[dict[str,
                 if offload is not None:
                     moved.append(offload.counter.step_bytes)
         offload = getattr(engine.optimizer, "offload", None)
-        rows.append({"system": system, "time_s": statistics.median(times), "ns_runs": max(ns_runs),
-                     "bytes": max(moved) if moved else None,
-                     "host_state_bytes": offload.host_bytes if offload is not None else None,
-                     "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+        row = {"system": system, "time_s": statistics.median(times), "ns_runs": max(ns_runs)}
+        if offload is not None:
+            row.update(bytes=max(moved), to_device=offload.counter.to_device, to_host=offload.counter.to_host,
+                       host_state_bytes=offload.host_bytes)
+        else:
+            # One more step, metered (a Python hook on every op: not timed).
+            zero = engine.optimizer
+            expected = deepspeed_zero2_step_bytes(zero, momentum_exists=True)
+            meter = HostDeviceCopyMeter(lambda: deepspeed_host_storages(zero))
+            tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=generator)
+            with meter:
+                engine.backward(engine(tokens))
+                engine.step()
+            row.update(bytes=meter.count.total, to_device=meter.count.to_device, to_host=meter.count.to_host,
+                       bytes_from_code=expected.total, bytes_agree=expected == meter.count,
+                       **_deepspeed_host_bytes(zero))
+        row["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        rows.append(row)
         engine.destroy()
     return rows
+
+
+def _deepspeed_host_bytes(zero) -> dict[str, int]:
+    """DeepSpeed's host memory on this rank: fp32 partition and optimizer state; its gradient and bit16 buffers."""
+    import torch
+
+    def nbytes(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    masters = zero.single_partition_of_fp32_groups
+    state = [v for s in zero.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.numel() > 1]
+    buffers = [m.grad for m in masters if m.grad is not None] + list(zero.param_buffer_of_bit16_for_cpu_offload_groups)
+    return {"host_state_bytes": nbytes(masters) + nbytes(state), "host_buffer_bytes": nbytes(buffers)}
 
 
 def _deepspeed_offload_loads() -> str | None:
@@ -120,24 +157,42 @@ def run(args: argparse.Namespace) -> int:
           f"vocab {VOCAB}; median of {STEPS} steps after {WARMUP}, slowest rank")
     if why_not is not None:
         print(f"DeepSpeed's offloaded Muon not run: its cpu_adam op does not load ({why_not[:200]})")
-    print("| DP | system | iteration s | NS runs / rank / step | bytes host<->device / rank / step | "
-          "host state bytes / rank | peak RSS MB / rank |")
+    print("| DP | system | iteration s | NS runs / rank / step | bytes host<->device / rank / step "
+          "(to device + to host) | host master+state bytes / rank | peak RSS MB / rank |")
     print("|---|---|---|---|---|---|---|")
+    results = []
     for dp in args.dp:
         per_rank = run_ranks(_rank_main, dp, systems, timeout=1800)
         for k, system in enumerate(systems):
             rows = [ranks[k] for ranks in per_rank]
-            moved = [r["bytes"] for r in rows if r["bytes"] is not None]
-            host = [r["host_state_bytes"] for r in rows if r["host_state_bytes"] is not None]
-            print(f"| {dp} | {system} | {max(r['time_s'] for r in rows):.4f} | {max(r['ns_runs'] for r in rows)} | "
-                  f"{max(moved) if moved else 'n/c'} | {max(host) if host else 'n/c'} | "
-                  f"{max(r['peak_rss_mb'] for r in rows):.0f} |")
+            busiest = max(rows, key=lambda r: r["bytes"])
+            summary = {"dp": dp, "system": system, "time_s": max(r["time_s"] for r in rows),
+                       "ns_runs": max(r["ns_runs"] for r in rows), "bytes": busiest["bytes"],
+                       "to_device": busiest["to_device"], "to_host": busiest["to_host"],
+                       "host_state_bytes": max(r["host_state_bytes"] for r in rows),
+                       "peak_rss_mb": max(r["peak_rss_mb"] for r in rows), "ranks": rows}
+            if system == "deepspeed":
+                summary["bytes_agree"] = all(r["bytes_agree"] for r in rows)
+            results.append(summary)
+            print(f"| {dp} | {system} | {summary['time_s']:.4f} | {summary['ns_runs']} | {summary['bytes']:,} "
+                  f"({summary['to_device']:,} + {summary['to_host']:,}) | {summary['host_state_bytes']:,} | "
+                  f"{summary['peak_rss_mb']:.0f} |")
+    disagree = [r["dp"] for r in results if r.get("bytes_agree") is False]
+    if disagree:
+        print(f"DeepSpeed's metered bytes differ from the count read from its code at DP {disagree} (see the JSON)")
+    if args.json:
+        setting = {"stage": 2, "dtype": "fp32", "layers": LAYERS, "dim": DIM, "vocab": VOCAB, "seq": SEQ,
+                   "micro_batch": MICRO_BATCH, "warmup": WARMUP, "steps": STEPS,
+                   "deepspeed_not_run": why_not if "deepspeed" not in systems else None}
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump({**setting, "rows": results}, handle, indent=1)
     return 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dp", type=int, nargs="+", default=[2, 3, 4], help="data-parallel sizes (default 2 3 4)")
     parser.add_argument("--no-deepspeed", action="store_true", help="run ds_canzona only")
+    parser.add_argument("--json", metavar="FILE", help="also write every number (per rank too) as JSON")
 
 
 STEP_OFFLOAD = Command(description="Optimizer offload on gloo ranks: ds_canzona vs DeepSpeed's offloaded Muon",
