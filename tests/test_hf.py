@@ -13,7 +13,10 @@
   stops at ``deepspeed.initialize`` with one error saying the fix (both ways the mismatch shows:
   a filled ``train_batch_size``, and a config without one); then the documented HJSON way trains
   two steps with the config's optimizer values, on both ranks, with no warning about the lr
-  scheduler stepping before the optimizer.
+  scheduler stepping before the optimizer; then ``zero2_muon_offload.hjson`` the same way, in
+  the same spawn: ds_canzona's optimizer with its masters on the host, the losses and weights
+  equal to the run without offload bit for bit, and the Trainer's checkpoint written.
+- At stage 3 the same with ``zero3_muon.hjson``, then ``zero3_muon_offload.hjson`` beside it.
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@ dtype and accumulation. On the CPU accelerator the "device" is host memory too, 
 is real but the copies are host to host: these tests check the logic and count the bytes (each
 step's bytes are derived here from the owned tensors' sizes, independently of the counter).
 
+DeepSpeed's own offloaded Muon (where its cpu_adam op is built): within the dense comparison's
+bound after 8 steps, and the host<->device bytes of one more of its steps, metered at run time,
+equal to the count read from its code (what ``bench step-offload`` reports for it).
+
 Two spawns in all (the suite is near its CI limit): DP=2 runs its pairs and saves checkpoints,
 DP=3 runs its pairs and loads those checkpoints crosswise (saved offloaded, loaded without, and the
 reverse, at another world size).
