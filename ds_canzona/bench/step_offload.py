@@ -3,8 +3,8 @@
 Both systems train the same small decoder-shaped model (fp32, ZeRO stage 2) on gloo ranks with
 ``offload_optimizer: {"device": "cpu"}``; per DP size the rows give the iteration time (median of
 the timed steps, slowest rank), Newton-Schulz runs per rank per step (ds_canzona: the matrices the
-rank owns; DeepSpeed: every matrix on every rank), bytes copied host<->device per rank per step and host memory per rank (the fp32 masters and
-optimizer state; and the process's peak RSS).
+rank owns; DeepSpeed: every matrix on every rank), bytes copied host<->device per rank per step
+and host memory per rank (the fp32 masters and optimizer state; and the process's peak RSS).
 
 The bytes: ds_canzona's from its offload's own counter (``OptimizerOffload.counter``: every
 master and state staged to the device and back, every non-matrix gradient to the host and its new
