@@ -238,6 +238,7 @@ def _trainer_with_offload(outdir: str, common: dict, plain_params: dict, plain_l
     trained = dict(trainer.model_wrapped.module.named_parameters())
     checkpoint = Path(outdir) / f"checkpoint-{steps}"
     saved = load_file(checkpoint / "model.safetensors") if rank == 0 else {}
+    state_dict = trainer.model_wrapped.module.state_dict()  # names the tied head too, unlike the parameters
     return {
         "optimizer": type(zero).__module__,
         "offload": zero.offload.summary() if zero.offload is not None else None,
@@ -248,8 +249,7 @@ def _trainer_with_offload(outdir: str, common: dict, plain_params: dict, plain_l
         "params_differ": [n for n, p in trained.items() if not torch.equal(p, plain_params[n])],
         "unmoved": [n for n, p in _tiny_model().named_parameters() if torch.equal(p, trained[n])],
         "engine_checkpoint": (checkpoint / f"global_step{steps}").is_dir(),
-        # The state dict, not the parameters: it names the tied head too.
-        "saved_differ": [n for n, p in saved.items() if not torch.equal(p, trainer.model_wrapped.module.state_dict()[n])],
+        "saved_differ": [n for n, p in saved.items() if not torch.equal(p, state_dict[n])],
         "saved_count": len(saved),
     }
 
