@@ -5,6 +5,7 @@
 #   bash scripts/deepspeed_unit_tests.sh unit/runtime/zero/test_zero_tensor_fragment.py -k Update
 #   DS_TESTS_SOURCE=~/src/DeepSpeed bash scripts/deepspeed_unit_tests.sh      # a checkout of yours
 #   DS_TESTS_SOURCE=/path/to/DeepSpeed.git DS_TESTS_REF=v0.19.8 bash scripts/deepspeed_unit_tests.sh
+#   DS_TESTS_SOURCE=/path/to/DeepSpeed.git DS_TESTS_REF=HEAD bash ...  # a clone without the installed tag
 #
 # Arguments are pytest arguments relative to DeepSpeed's tests/ folder (node ids, -k ...); none:
 # the default list. Where the tests come from, first found:
