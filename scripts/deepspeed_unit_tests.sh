@@ -76,13 +76,14 @@ fi
 if [ $# -gt 0 ]; then
   selection=("$@")
 else
-  # The default list: the cases of the tensor-fragment API file (issue 23) that run on CPU ranks
-  # without offload, plus optimizer offload at stage 2; with 0.17's tests and later also DeepSpeed's
-  # Muon tests that run without fp16. The other cases skip inside their ranks (local API at stage
-  # 1/2, NVMe, fp16 and bf16-optimizer cases on a CPU) and cost a spawn each; name the file itself
-  # to run all of them. In 0.16 the file's set-and-read class was called TestTensorFragmentUpdate;
-  # from 0.17 on it is TestTensorFragmentSet, TestTensorFragmentGet takes a dtype, and
-  # TestTensorFragmentUpdate tests safe_update_full_grad_vectorized (with and without torch_adam).
+  # The default list: cases of the tensor-fragment API file (issue 23) that run on CPU ranks,
+  # without offload and with optimizer offload at stage 2, and DeepSpeed's Muon tests that run
+  # without fp16 where the tests have them. The file's other cases skip inside their ranks (local
+  # API at stage 1/2, NVMe, fp16 and bf16-optimizer cases on a CPU) or repeat these at another
+  # dtype or stage, and cost a spawn each; name the file itself to run all of them. DeepSpeed
+  # renamed the classes in 0.16.9: the set-and-read class TestTensorFragmentUpdate became
+  # TestTensorFragmentSet, TestTensorFragmentGet took a dtype, and a new TestTensorFragmentUpdate
+  # tests safe_update_full_grad_vectorized (with and without torch_adam).
   file=unit/runtime/zero/test_zero_tensor_fragment.py
   selection=()
   if grep -q "class TestTensorFragmentSet" "$tests/$file"; then
