@@ -5,6 +5,7 @@
 #   bash scripts/deepspeed_unit_tests.sh unit/runtime/zero/test_zero_tensor_fragment.py -k Update
 #   DS_TESTS_SOURCE=~/src/DeepSpeed bash scripts/deepspeed_unit_tests.sh      # a checkout of yours
 #   DS_TESTS_SOURCE=/path/to/DeepSpeed.git DS_TESTS_REF=v0.19.8 bash scripts/deepspeed_unit_tests.sh
+#   DS_TESTS_SOURCE=/path/to/DeepSpeed.git DS_TESTS_REF=HEAD bash ...  # a clone without the installed tag
 #
 # Arguments are pytest arguments relative to DeepSpeed's tests/ folder (node ids, -k ...); none:
 # the default list. Where the tests come from, first found:
@@ -75,23 +76,42 @@ fi
 if [ $# -gt 0 ]; then
   selection=("$@")
 else
-  # The default list: the cases of the tensor-fragment API file (issue 23) that run on CPU ranks
-  # without offload, and one with optimizer offload (refused by ds_canzona). The file's other
-  # cases skip inside their ranks (local API at stage 1/2, NVMe, fp16 and bf16-optimizer cases on
-  # a CPU) and cost a spawn each; name the file itself to run all of them.
+  # The default list: cases of the tensor-fragment API file (issue 23) that run on CPU ranks,
+  # without offload and with optimizer offload at stage 2, and DeepSpeed's Muon tests that run
+  # without fp16 where the tests have them. The file's other cases skip inside their ranks (local
+  # API at stage 1/2, NVMe, fp16 and bf16-optimizer cases on a CPU) or repeat these at another
+  # dtype or stage, and cost a spawn each; name the file itself to run all of them. DeepSpeed
+  # renamed the classes in 0.16.9: the set-and-read class TestTensorFragmentUpdate became
+  # TestTensorFragmentSet, TestTensorFragmentGet took a dtype, and a new TestTensorFragmentUpdate
+  # tests safe_update_full_grad_vectorized (with and without torch_adam).
   file=unit/runtime/zero/test_zero_tensor_fragment.py
   selection=()
-  for frozen in True False; do
-    for case in none-1-full none-2-full none-3-full none-3-local; do
-      selection+=("$file::TestTensorFragmentGet::test_zero_fragments[$case-$frozen]")
+  if grep -q "class TestTensorFragmentSet" "$tests/$file"; then
+    for case in none-1-full-dtype2-False none-2-full-dtype2-False none-3-full-dtype2-False none-3-full-dtype2-True \
+                none-3-local-dtype2-False none-2-full-dtype0-False; do  # dtype2 fp32, dtype0 bf16
+      selection+=("$file::TestTensorFragmentGet::test_zero_fragments[$case]")
     done
-  done
-  for dtype in dtype0 dtype2; do  # bf16, fp32 (dtype1, fp16, skips without fp16 support)
-    for case in none-1-full none-2-full none-3-full none-3-local; do
-      selection+=("$file::TestTensorFragmentUpdate::test_zero_fragments[$case-$dtype]")
+    for case in none-1-full-dtype2 none-2-full-dtype2 none-3-full-dtype2 none-3-local-dtype2 cpu-2-full-dtype2; do
+      selection+=("$file::TestTensorFragmentSet::test_zero_fragments[$case]")
     done
-  done
-  selection+=("$file::TestTensorFragmentUpdate::test_zero_fragments[cpu-2-full-dtype2]")
+    for case in none-1-False-dtype2 none-2-True-dtype2 none-3-False-dtype2 cpu-2-False-dtype2; do
+      selection+=("$file::TestTensorFragmentUpdate::test_zero_fragments[$case]")
+    done
+    muon=unit/ops/muon/test_muon_partial_training.py  # test_muon.py skips without fp16
+    [ -f "$tests/$muon" ] && selection+=("$muon")
+  else
+    for frozen in True False; do
+      for case in none-1-full none-2-full none-3-full none-3-local; do
+        selection+=("$file::TestTensorFragmentGet::test_zero_fragments[$case-$frozen]")
+      done
+    done
+    for dtype in dtype0 dtype2; do  # bf16, fp32 (dtype1, fp16, skips without fp16 support)
+      for case in none-1-full none-2-full none-3-full none-3-local; do
+        selection+=("$file::TestTensorFragmentUpdate::test_zero_fragments[$case-$dtype]")
+      done
+    done
+    selection+=("$file::TestTensorFragmentUpdate::test_zero_fragments[cpu-2-full-dtype2]")
+  fi
 fi
 
 export DS_ACCELERATOR=${DS_UNIT_ACCELERATOR:-cpu}

@@ -7,8 +7,9 @@ Each case trains TinyLM (``norm.weight`` frozen) for three steps and records, th
   value and per-element optimizer state;
 - then every tensor's value and state are set to fresh numbers (the same on every rank) and read
   back; step 1 trains from them (its gradients recorded after backward);
-- step 2: after backward, two gradients are set (a matrix and a non-matrix tensor in pieces),
-  read back, and the step runs on them.
+- step 2: after backward, two gradients are set (a matrix by ``safe_set_full_grad``, a
+  non-matrix tensor in pieces by ``safe_update_full_grad_vectorized``), read back, and the step
+  runs on them.
 
 Plus what should fail (an unknown state name, a gradient read after the step at stage 1/2) and,
 at stage 3, the local API.
@@ -50,7 +51,8 @@ def fresh_values(params: dict, keys: dict, seed: int) -> dict:
 def fragment_case(rank: int, world_size: int, stage: int, precision: dict | None = None) -> dict:
     import deepspeed
     from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
-                                 safe_set_full_fp32_param, safe_set_full_grad, safe_set_full_optimizer_state)
+                                 safe_set_full_fp32_param, safe_set_full_grad, safe_set_full_optimizer_state,
+                                 safe_update_full_grad_vectorized)
 
     engine = init_engine(fragment_config(world_size, stage, **(precision or {})), model=frozen_model())
     named = dict(engine.module.named_parameters())
@@ -103,8 +105,17 @@ def fragment_case(rank: int, world_size: int, stage: int, precision: dict | None
     out["grads2"] = {n: safe_get_full_grad(p) for n, p in trained.items()}
     out["owned2"] = owned_gradients(engine)
     set_grads = fresh_values({n: trained[n] for n in SET_GRADS}, {n: [] for n in SET_GRADS}, seed=11)
-    for n in SET_GRADS:
-        safe_set_full_grad(trained[n], set_grads[n][None])
+    matrix, in_pieces = SET_GRADS
+    safe_set_full_grad(trained[matrix], set_grads[matrix][None])
+    # The other through the vectorized form: DeepSpeed's callback gets the current full gradient.
+    seen = {}
+
+    def new_gradient(current, param):
+        seen[id(param)] = current.clone()
+        return set_grads[in_pieces][None]
+
+    safe_update_full_grad_vectorized([trained[in_pieces]], new_gradient)
+    out["vectorized_saw"] = seen.get(id(trained[in_pieces]))
     out["set_grads"] = {n: v[None] for n, v in set_grads.items()}
     out["set_grads_read_back"] = {n: safe_get_full_grad(trained[n]) for n in SET_GRADS}
     engine.step()
