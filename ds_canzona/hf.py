@@ -17,8 +17,9 @@ builds it from the config (the path ds_canzona's engine hook takes over). What r
 * ``check_trainer_config``: loads a path like ``load_ds_config`` and heads off what would
   otherwise fail late or silently (docs/USAGE.md, "Trainer traps"): a ``canzona`` section without
   an ``"optimizer"`` section (the Trainer would then build torch's AdamW, which ds_canzona
-  refuses); optimizer offload (not supported with ``canzona``); ``"kernels": "auto"``, which the
-  Trainer would take for one of its placeholders (the value is ``"default"``).
+  refuses); ``"kernels": "auto"``, which the Trainer would take for one of its placeholders (the
+  value is ``"default"``). Optimizer offload to the host passes: ds_canzona takes it (zero/offload.py),
+  and what it refuses (NVMe, a ratio below 1) is refused by the engine with its own message.
 """
 
 from __future__ import annotations
