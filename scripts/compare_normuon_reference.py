@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
                 if weight_decay:
                     theirs.mul_(1 - lr * weight_decay)
                 theirs.add_(update.reshape(theirs.shape), alpha=-lr)
-            moment_rel = float((state["row_second_moment"].reshape(moment.shape) - moment).abs().max() / moment.abs().max())
+            ours_moment = state["row_second_moment"].reshape(moment.shape)
+            moment_rel = float((ours_moment - moment).abs().max() / moment.abs().max())
             print(f"shape {shape} weight_decay {weight_decay}: max |weights - theirs| "
                   f"{float((ours - theirs).abs().max()):.2e} (weights up to {float(theirs.abs().max()):.2f}), "
                   f"row moment max rel diff {moment_rel:.2e}")

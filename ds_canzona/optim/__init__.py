@@ -2,7 +2,7 @@
 
 The distributed runtime and the single-process optimizers share one path::
 
-    rule = rule_for_group(group)                    # group['kind'] in {'muon', 'normuon', 'adamuon', 'shampoo', 'soap', 'adamw'}
+    rule = rule_for_group(group)                    # group['kind']: 'muon', 'normuon', 'adamuon', 'shampoo', 'soap', 'adamw'
     state = rule.init_state(param)                  # fp32 state of one whole tensor
     rule.update_(params, grads, states, lr=group['lr'])
     rule.cost(shape, model='flops')                 # the planner's cost model for this kind
