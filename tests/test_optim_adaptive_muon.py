@@ -213,3 +213,74 @@ def test_single_process_optimizers_route_and_default():
     assert {g["kind"]: g["lr"] for g in adamuon.param_groups} == {"adamuon": 1e-3, "adamw": 1e-3}
     matrix = next(g for g in adamuon.param_groups if g["kind"] == "adamuon")
     assert (matrix["beta2"], matrix["eps"], matrix["sign_momentum"], matrix["weight_decay"]) == (0.999, 1e-8, True, 0.1)
+
+
+def test_planner_prices_the_extra_passes_and_state():
+    """Priced as Muon plus their elementwise passes; state bytes as the rules allocate them."""
+    from ds_canzona.plan import ParamSpec, cost_model
+    from ds_canzona.plan.memory import state_elements
+
+    for shape in [(24, 40), (3, 16, 24), (8, 3, 3, 3)]:
+        spec = ParamSpec(name="w", shape=shape, matrix=True)
+        muon = cost_model("roofline", "muon", machine_balance=30.0, launch_bytes=0).cost(spec)
+        for kind in ("normuon", "adamuon"):
+            rule = rule_for_group({"kind": kind})
+            assert rule.cost(shape, model="roofline", machine_balance=30.0) > muon
+            assert rule.cost(shape) > cost_model("flops", "muon").cost(spec)
+            state = rule.init_state(torch.zeros(shape))
+            assert state_elements(spec, kind) == sum(v.numel() for k, v in state.items() if k != "step")
+    heads = ParamSpec(name="q", shape=(32, 24), matrix=True, heads=4)
+    assert state_elements(heads, "normuon") == 32 * 24 + 32
+    # The group's options reach the model: the sign step and the "original" rescale cost more.
+    signed = rule_for_group({"kind": "adamuon"}).cost((24, 40))
+    assert rule_for_group({"kind": "adamuon", "sign_momentum": False}).cost((24, 40)) < signed
+    assert rule_for_group({"kind": "adamuon", "lr_scaling": "original"}).cost((24, 40)) > signed
+
+
+class _Engine:
+    """What ds_canzona.zero.build.optimizer_from_config reads of a DeepSpeed engine."""
+
+    def __init__(self, name: str, params: dict, module: torch.nn.Module):
+        self._name, self._params, self.module = name, params, module
+
+    def optimizer_name(self):
+        return self._name
+
+    def optimizer_params(self):
+        return self._params
+
+
+def _module():
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.embed_tokens = torch.nn.Embedding(10, 8)
+    model.proj = torch.nn.Linear(8, 8)
+    return model
+
+
+def test_config_types_build_the_optimizers_with_their_keys():
+    from ds_canzona.zero.build import optimizer_from_config
+
+    built = optimizer_from_config(_Engine("NorMuon", {"lr": 0.01, "adam_lr": 0.002, "beta2": 0.9, "eps": 1e-9,
+                                                      "adam_betas": [0.8, 0.9], "adam_w_mode": False}, _module()))
+    assert type(built).__name__ == "NorMuon"
+    groups = {g["kind"]: g for g in built.param_groups}
+    assert (groups["normuon"]["lr"], groups["normuon"]["beta2"], groups["normuon"]["eps"]) == (0.01, 0.9, 1e-9)
+    adamw = groups["adamw"]
+    assert (adamw["lr"], tuple(adamw["betas"]), adamw["adam_w_mode"]) == (0.002, (0.8, 0.9), False)
+    built = optimizer_from_config(_Engine("AdaMuon", {"lr": 0.001, "sign_momentum": False}, _module()))
+    groups = {g["kind"]: g for g in built.param_groups}
+    assert groups["adamuon"]["sign_momentum"] is False and groups["adamw"]["lr"] == 0.001
+
+
+@pytest.mark.parametrize("name, params, needle", [
+    ("NorMuon", {"beta2": 1.5}, "beta2"),
+    ("AdaMuon", {"momentum_typo": 0.9}, "momentum_typo"),
+    ("NorMuon", {"per_head_muon": True}, "per_head_muon applies to Muon only"),
+])
+def test_config_types_refuse_bad_params_naming_them(name, params, needle):
+    from ds_canzona.config import CanzonaConfigError
+    from ds_canzona.zero.build import optimizer_from_config
+
+    with pytest.raises(CanzonaConfigError, match=needle):
+        optimizer_from_config(_Engine(name, params, _module()))
