@@ -123,7 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}")
     parser.add_argument("--optimizers", default="muon,shampoo",
                         help="comma-separated from muon, normuon, adamuon, shampoo (NorMuon and AdaMuon: ds_canzona's "
-                             "and the synchronous rows only; timed like Muon, --steps)")
+                             "ZeRO-1/2 rows and the ZeRO-0 schemes; timed like Muon, --steps)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per system")
     parser.add_argument("--steps", type=int, default=8, help="timed Muon steps per system and round")
     parser.add_argument("--shampoo-steps", type=int, default=5,

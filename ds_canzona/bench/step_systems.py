@@ -72,7 +72,7 @@ SYSTEMS: dict[str, System] = {s.key: s for s in (
     System(key="synchronous", label="synchronous (every rank, every matrix)", runtime="synchronous", stage=0,
            optimizers=("muon", "normuon", "adamuon", "shampoo")),
     System(key="layerwise", label="layer-wise (all-reduce, LPT owners, broadcast)", runtime="layerwise", stage=0,
-           optimizers=("muon", "shampoo")),
+           optimizers=("muon", "normuon", "adamuon", "shampoo")),
 )}
 
 COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter", "all_gather_into_tensor", "broadcast")
@@ -80,7 +80,7 @@ MUON_PARAMS = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.0, "ns_method": "
                "betas": [0.9, 0.95], "eps": 1e-10}
 SHAMPOO_PARAMS = {"lr": 1e-3, "adam_lr": 3e-4, "precondition_frequency": 5, "start_preconditioning_step": 1,
                   "max_preconditioner_dim": 1024}
-# NorMuon and AdaMuon (not DeepSpeed types: ds_canzona's rows and the synchronous one only). Their
+# NorMuon and AdaMuon (not DeepSpeed types: ds_canzona's rows and the ZeRO-0 schemes only). Their
 # own beta2 and eps; the auxiliary AdamW's as Muon's above.
 NORMUON_PARAMS = {"lr": 0.02, "momentum": 0.95, "beta2": 0.95, "weight_decay": 0.0, "ns_method": "gram",
                   "adam_lr": 3e-4, "adam_betas": [0.9, 0.95], "adam_eps": 1e-10}
