@@ -333,6 +333,8 @@ class NorMuon(Muon):
                  num_heads: int | None = None, adam_lr: float | None = None,
                  adam_betas: tuple[float, float] = (0.9, 0.95), adam_eps: float = 1e-10,
                  adam_weight_decay: float | None = None, adam_w_mode: bool = True) -> None:
+        # Muon's settings plus the rule's own (Muon.__init__ takes a fixed keyword set), and
+        # batch_same_shape pinned off: the rule refuses it.
         RuleOptimizer.__init__(self, params, dict(
             lr=lr, momentum=momentum, beta2=beta2, eps=eps, nesterov=nesterov, ns_steps=ns_steps,
             ns_method=ns_method, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype,
