@@ -22,7 +22,7 @@ CANZONA_SECTION = "canzona"
 
 # Optimizer names that the canzona backend builds from the config's "optimizer" section, and
 # the per-tensor kind each one uses for matrices. Non-matrix tensors always go to AdamW.
-MATRIX_OPTIMIZERS = {"muon": "muon", "shampoo": "shampoo", "soap": "soap"}
+MATRIX_OPTIMIZERS = {"muon": "muon", "normuon": "normuon", "adamuon": "adamuon", "shampoo": "shampoo", "soap": "soap"}
 
 
 class CanzonaConfigError(ValueError):

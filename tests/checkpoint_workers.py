@@ -52,7 +52,9 @@ def _kind_settings() -> dict[str, dict]:
     groups = [optim.Muon(w, lr=0.02, weight_decay=0.01).param_groups[0],
               optim.Shampoo(w, lr=0.003, precondition_frequency=2).param_groups[0],
               optim.SOAP(w, lr=0.003, precondition_frequency=2).param_groups[0],
-              optim.AdamW(w, lr=0.003, betas=(0.9, 0.95)).param_groups[0]]
+              optim.AdamW(w, lr=0.003, betas=(0.9, 0.95)).param_groups[0],
+              optim.NorMuon(w, lr=0.02, weight_decay=0.01).param_groups[0],
+              optim.AdaMuon(w, lr=0.003).param_groups[0]]
     return {g["kind"]: {k: v for k, v in g.items() if k not in ("params", "param_names", "kind")} for g in groups}
 
 
@@ -60,12 +62,13 @@ def _kind_of(name: str, p: torch.Tensor) -> str:
     if p.dim() < 2 or "embed" in name or "lm_head" in name:
         return "adamw"
     if name.startswith("layers.0."):
-        return "muon"
+        # NorMuon's row moments and AdaMuon's element-wise one go through the reshards too.
+        return {"q_proj": "normuon", "k_proj": "adamuon"}.get(name.split(".")[2], "muon")
     return "shampoo" if name.split(".")[2] in ("q_proj", "k_proj", "v_proj") else "soap"
 
 
 def make_optimizer(model):
-    """A single-process ds_canzona optimizer whose groups are of all four kinds."""
+    """A single-process ds_canzona optimizer whose groups are of all six kinds."""
     from ds_canzona.optim.single_process import RuleOptimizer
 
     class MixedRules(RuleOptimizer):
@@ -73,7 +76,7 @@ def make_optimizer(model):
         def _split(self, settings):
             return _kind_settings()
 
-    by_kind: dict[str, list] = {"muon": [], "shampoo": [], "soap": [], "adamw": []}
+    by_kind: dict[str, list] = {"muon": [], "normuon": [], "adamuon": [], "shampoo": [], "soap": [], "adamw": []}
     for name, p in model.named_parameters():
         if p.requires_grad:
             by_kind[_kind_of(name, p)].append((name, p))

@@ -116,12 +116,10 @@ def whole_batch_training(optimizer: dict, model: torch.nn.Module,
     """
     from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
     from ds_canzona.zero.build import translate_optimizer_params
-    import ds_canzona.optim as optim
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     name = optimizer["type"].lower()
-    cls = {"muon": optim.Muon, "shampoo": optim.Shampoo, "soap": optim.SOAP}[name]
-    opt = cls(named, **translate_optimizer_params(name, optimizer["params"]))
+    opt = optimizer_class(name)(named, **translate_optimizer_params(name, optimizer["params"]))
     for step in range(steps):
         for micro in range(ga):
             for rank in range(world_size):
@@ -135,6 +133,14 @@ def whole_batch_training(optimizer: dict, model: torch.nn.Module,
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def optimizer_class(name: str):
+    """The single-process ds_canzona.optim class of a config's optimizer type (lower case)."""
+    import ds_canzona.optim as optim
+
+    return {"muon": optim.Muon, "normuon": optim.NorMuon, "adamuon": optim.AdaMuon, "shampoo": optim.Shampoo,
+            "soap": optim.SOAP}[name]
+
+
 class Replay:
     """The single-process ds_canzona.optim optimizer over ``model_factory()``, stepped with given gradients.
 
@@ -146,7 +152,6 @@ class Replay:
     def __init__(self, optimizer: dict, model_factory: Callable[[], torch.nn.Module], *, clip: float,
                  param_dtype: torch.dtype = torch.float32, split_numel: int | None = None):
         from ds_canzona.zero.build import translate_optimizer_params
-        import ds_canzona.optim as optim
 
         self.model = model_factory()
         if param_dtype != torch.float32:
@@ -158,8 +163,7 @@ class Replay:
         self.split_numel = split_numel  # the clipping norm's items: canonical pieces of large non-matrix tensors
         self.named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         name = optimizer["type"].lower()
-        cls = {"muon": optim.Muon, "shampoo": optim.Shampoo, "soap": optim.SOAP}[name]
-        self.optimizer = cls(self.named, **translate_optimizer_params(name, optimizer["params"]))
+        self.optimizer = optimizer_class(name)(self.named, **translate_optimizer_params(name, optimizer["params"]))
 
     def model_in(self, dtype: torch.dtype) -> torch.nn.Module:
         """A copy of the current model in ``dtype`` (the model itself for fp32)."""

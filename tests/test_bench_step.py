@@ -27,7 +27,7 @@ def test_step_command_runs_every_system(tmp_path):
     out = tmp_path / "step.json"
     systems = ",".join(key for key in SYSTEMS if key not in ZERO3)
     argv = ["--dp", "2", "--warmup", "1", "--steps", "1", "--shampoo-steps", "1", "--systems", systems,
-            "--json", str(out), *TINY]
+            "--optimizers", "muon,normuon,adamuon,shampoo", "--json", str(out), *TINY]
     assert main(argv) == 0
     data = json.loads(out.read_text())
     assert {"machine", "model", "settings", "results", "checks", "collectives"} <= set(data)
@@ -56,8 +56,14 @@ def test_step_command_runs_every_system(tmp_path):
     # Half the Muon state of DeepSpeed's (no staging copy), none duplicated.
     assert muon["canzona-z1"]["matrix_state_bytes_total"] < muon["deepspeed-z1"]["matrix_state_bytes_total"]
     assert muon["synchronous"]["matrix_state_bytes_max"] == muon["layerwise"]["matrix_state_bytes_total"]
+    # NorMuon and AdaMuon run where Muon runs on ds_canzona's rows and the ZeRO-0 schemes.
+    for opt in ("normuon", "adamuon"):
+        assert results[("canzona-z1", opt)]["ns_runs_total"] == MATRICES
+        assert results[("canzona-z2", opt)]["ns_runs_total"] == MATRICES
+        assert results[("synchronous", opt)]["ns_runs_total"] == 2 * MATRICES
+        assert results[("layerwise", opt)]["ns_runs_total"] == MATRICES
     # Same all-reduced gradients, same per-tensor rule: the same parameters after the first step.
-    for opt in ("muon", "shampoo"):
+    for opt in ("muon", "normuon", "adamuon", "shampoo"):
         assert results[("synchronous", opt)]["final_loss"] == results[("layerwise", opt)]["final_loss"]
         assert results[("canzona-z1", opt)]["final_loss"] == results[("canzona-z2", opt)]["final_loss"]
 

@@ -376,7 +376,7 @@ def test_the_torch_state_api_describes_each_ranks_owned_state(saved):
             grouped = [name for group in described["param_groups"] for name in group["params"]]
             assert sorted(grouped) == sorted(owned)
             kinds = {group["kind"] for group in described["param_groups"] if group["params"]}
-            assert kinds <= {"muon", "shampoo", "soap", "adamw"} and kinds
+            assert kinds <= {"muon", "normuon", "adamuon", "shampoo", "soap", "adamw"} and kinds
         every_name |= set(api["runtime"]["state"])
         # DeepSpeed's names where the meaning is the same.
         keys = {k for entry in api["runtime"]["state"].values() for k in entry}
@@ -424,7 +424,8 @@ def test_consolidated_export_is_the_saved_state(saved, export):
     with_masters = {n: {"master": model[n], **s} for n, s in states.items()}
     assert_equal_dicts(by_tensor(with_masters), owned, "optimizer state")
     kinds = {k for s in states.values() for k in s}
-    assert {"momentum_buffer", "left_root.0.0", "left_basis", "exp_avg_sq"} <= kinds
+    assert {"momentum_buffer", "left_root.0.0", "left_basis", "exp_avg_sq", "row_second_moment",
+            "second_moment"} <= kinds
     assert_equal_dicts(fp32_state_dict_from_checkpoint(saved[0]), model, "in-memory export")
     assert_equal_dicts(optimizer_state_from_checkpoint(saved[0], "dp4"), states, "in-memory optimizer state")
 

@@ -31,7 +31,7 @@ CONFIG_FILES = sorted(p for p in CONFIG_DIR.iterdir() if p.suffix in (".json", "
 TINY_MODEL = REPO / "examples" / "configs" / "qwen3-tiny.json"
 EXPECTED = {"zero1_muon.hjson", "zero2_muon.hjson", "zero2_muon.json", "zero2_muon_bf16.hjson",
             "zero2_muon_fp16.hjson", "zero2_muon_offload.hjson", "zero2_shampoo.hjson", "zero2_soap.hjson",
-            "zero3_muon.hjson", "zero3_muon_offload.hjson"}
+            "zero3_muon.hjson", "zero3_muon_offload.hjson", "zero2_normuon.hjson", "zero2_adamuon.hjson"}
 MICRO_BATCH, GRAD_ACCUM, SEQ_LEN = 2, 1, 32
 
 
@@ -111,7 +111,8 @@ def test_config_loads_and_validates(path: Path):
     assert ds_config.zero_optimization_stage in (1, 2, 3)
 
     name = config["optimizer"]["type"].lower()
-    classes = {"muon": optim.Muon, "shampoo": optim.Shampoo, "soap": optim.SOAP}
+    classes = {"muon": optim.Muon, "normuon": optim.NorMuon, "adamuon": optim.AdaMuon, "shampoo": optim.Shampoo,
+               "soap": optim.SOAP}
     kwargs = translate_optimizer_params(name, config["optimizer"].get("params", {}))
     optimizer = classes[name](list(tiny_model().named_parameters()), **kwargs)
     kinds = {group["kind"] for group in optimizer.param_groups if group["params"]}

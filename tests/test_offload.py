@@ -27,6 +27,8 @@ from distributed import run_ranks
 
 STEPS = 10
 MUON = {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 0.003, "weight_decay": 0.01}}
+NORMUON = {"type": "NorMuon", "params": {"lr": 0.02, "adam_lr": 0.003, "weight_decay": 0.01}}
+ADAMUON = {"type": "AdaMuon", "params": {"lr": 0.003, "weight_decay": 0.01}}
 SHAMPOO = {"type": "Shampoo", "params": {"lr": 0.003, "adam_lr": 0.003, "precondition_frequency": 2}}
 SOAP = {"type": "SOAP", "params": {"lr": 0.003, "adam_lr": 0.003, "precondition_frequency": 2}}
 OFFLOAD = {"device": "cpu", "pin_memory": True}
@@ -67,6 +69,7 @@ DP2_CASES = [
     dict(stage=1, optimizer=SOAP, bf16=False, ga=1),
     dict(stage=2, optimizer=MUON, bf16=True, ga=3),
     dict(stage=3, optimizer=SHAMPOO, bf16=False, ga=3),
+    dict(stage=1, optimizer=NORMUON, bf16=False, ga=1),  # its row moments staged, and in the host-bytes model
 ]
 DP3_CASES = [
     dict(stage=1, optimizer=MUON, bf16=True, ga=3),
@@ -74,6 +77,7 @@ DP3_CASES = [
     dict(stage=2, optimizer=MUON, bf16=False, ga=1, staging=SMALL_STAGING),
     dict(stage=3, optimizer=SOAP, bf16=True, ga=1),
     dict(stage=3, optimizer=MUON, bf16=False, ga=3),
+    dict(stage=3, optimizer=ADAMUON, bf16=True, ga=1),
 ]
 
 

@@ -13,8 +13,10 @@ import torch
 from ds_canzona.optim import (
     MATRIX_KINDS,
     SOAP,
+    AdaMuon,
     AdamW,
     Muon,
+    NorMuon,
     Shampoo,
     TensorRule,
     is_matrix,
@@ -32,6 +34,10 @@ GROUPS = {
                        "inverse_root": "newton", "epsilon": 1e-4},
     "soap": {"kind": "soap", "precondition_frequency": 2, "max_precond_dim": 12},
     "adamw": {"kind": "adamw", "weight_decay": 0.1},
+    "normuon": {"kind": "normuon", "weight_decay": 0.1},
+    "normuon_rms": {"kind": "normuon", "lr_scaling": "match_rms_adamw", "ns_coefficients": "polar_express"},
+    "adamuon": {"kind": "adamuon", "weight_decay": 0.1},
+    "adamuon_unsigned": {"kind": "adamuon", "sign_momentum": False, "lr_scaling": "original", "ns_method": "standard"},
 }
 MATRIX_SHAPES = [(12, 20), (12, 20), (20, 12), (7, 3, 2, 2), (12, 20)]
 STACK_SHAPES = [(3, 7, 5)]  # a 3-D stack of matrices (MoE experts): Muon and AdamW only
@@ -39,7 +45,7 @@ VECTOR_SHAPES = [(12,), (5,), (12,)]
 
 
 def shapes_for(group):
-    if group["kind"] == "muon":
+    if group["kind"] in ("muon", "normuon", "adamuon"):
         return MATRIX_SHAPES + STACK_SHAPES
     if group["kind"] in MATRIX_KINDS:
         return MATRIX_SHAPES
@@ -51,8 +57,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_registry_and_protocol():
-    assert set(known_kinds()) == {"muon", "shampoo", "soap", "adamw"}
-    assert MATRIX_KINDS == {"muon", "shampoo", "soap"}
+    assert set(known_kinds()) == {"muon", "normuon", "adamuon", "shampoo", "soap", "adamw"}
+    assert MATRIX_KINDS == {"muon", "normuon", "adamuon", "shampoo", "soap"}
     for group in GROUPS.values():
         assert isinstance(rule_for_group(group), TensorRule)
 
@@ -285,6 +291,8 @@ OPTIMIZERS = [
     (Shampoo, {"precondition_frequency": 2}),
     (SOAP, {"precondition_frequency": 2}),
     (AdamW, {}),
+    (NorMuon, {}),
+    (AdaMuon, {}),
 ]
 
 

@@ -475,6 +475,13 @@ def _counted_launches(group: dict, shape: tuple[int, ...], warm: int, steps: int
     ({"kind": "muon", "weight_decay": 0.1, "ns_method": "standard"}, (3, 32, 64), {"ns_method": "standard"}, 1, 1),
     ({"kind": "muon", "weight_decay": 0.1, "ns_steps": 2}, (32, 64), {"ns_steps": 2}, 1, 1),
     ({"kind": "muon", "weight_decay": 0.1, "ns_steps": 7}, (32, 64), {"ns_steps": 7}, 1, 1),
+    # NorMuon and AdaMuon: Muon's plus the normalisation and the rescale, once per tensor.
+    ({"kind": "normuon", "weight_decay": 0.1}, (32, 64), {}, 1, 1),
+    ({"kind": "normuon", "weight_decay": 0.1, "lr_scaling": "match_rms_adamw"}, (3, 32, 64),
+     {"lr_scaling": "match_rms_adamw"}, 1, 1),
+    ({"kind": "adamuon", "weight_decay": 0.1}, (64, 32), {}, 1, 1),
+    ({"kind": "adamuon", "weight_decay": 0.1, "sign_momentum": False, "lr_scaling": "original"}, (8, 4, 3, 3),
+     {"sign_momentum": False, "lr_scaling": "original"}, 1, 1),
     # Shampoo's roots and SOAP's bases refresh every precondition_frequency steps: over that many
     # steps past the start, one refresh each.
     ({"kind": "shampoo", "weight_decay": 0.1, "precondition_frequency": 3}, (32, 64),

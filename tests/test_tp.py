@@ -39,6 +39,8 @@ from tp_workers import (
 MUON = {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 0.003, "weight_decay": 0.01}}
 SHAMPOO = {"type": "Shampoo", "params": {"lr": 0.003, "adam_lr": 0.003, "weight_decay": 0.01}}
 SOAP = {"type": "SOAP", "params": {"lr": 0.003, "adam_lr": 0.003, "weight_decay": 0.01}}
+NORMUON = {"type": "NorMuon", "params": {"lr": 0.02, "adam_lr": 0.003, "weight_decay": 0.01}}
+ADAMUON = {"type": "AdaMuon", "params": {"lr": 0.003, "weight_decay": 0.01}}
 FED_STEPS = 3
 TRAIN_STEPS = 10
 TOLERANCE = 1e-4  # of each tensor's total update; see the module docstring
@@ -85,6 +87,8 @@ def tp2_dp2(checkpoints):
          "model": "phi3", "save": checkpoints["D"]},
         {"tp": 2, "mode": "fed", "steps": 1, "optimizer": MUON, "stage": 2, "canzona": SMALL_GROUPS,
          "fragments": True},  # DeepSpeed's tensor-fragment API (tests/fragment_workers.py)
+        {"tp": 2, "mode": "fed", "steps": FED_STEPS, "optimizer": NORMUON, "stage": 1, "canzona": SMALL_GROUPS},
+        {"tp": 2, "mode": "fed", "steps": FED_STEPS, "optimizer": ADAMUON, "stage": 2, "canzona": {}},
     ]
     return run_ranks(tp_scenarios, 4, scenarios, timeout=1200)
 
@@ -93,7 +97,8 @@ def scenario(results, index: int) -> list[dict]:
     return [rank[index] for rank in results]
 
 
-@pytest.mark.parametrize("index, optimizer", [(0, MUON), (1, SHAMPOO), (2, SOAP)], ids=["muon", "shampoo", "soap"])
+@pytest.mark.parametrize("index, optimizer", [(0, MUON), (1, SHAMPOO), (2, SOAP), (10, NORMUON), (11, ADAMUON)],
+                         ids=["muon", "shampoo", "soap", "normuon", "adamuon"])
 def test_tp2_dp2_fed_update_is_bitwise_the_single_process_step(tp2_dp2, index, optimizer):
     ranks = scenario(tp2_dp2, index)
     reference = reference_fed(optimizer, steps=FED_STEPS)
@@ -228,6 +233,8 @@ def tp2_dp1():
         {"tp": 2, "mode": "refused", "optimizer": SOAP, "stage": 1, "canzona": {}, "model": "phi3"},
         {"tp": 2, "mode": "fed", "steps": FED_STEPS, "optimizer": MUON, "stage": 2, "canzona": {},
          "model": "phi3_gqa"},
+        {"tp": 2, "mode": "refused", "optimizer": NORMUON, "stage": 1, "canzona": {}, "model": "phi3"},
+        {"tp": 2, "mode": "refused", "optimizer": ADAMUON, "stage": 1, "canzona": {}, "model": "phi3"},
     ]
     return run_ranks(tp_scenarios, 2, scenarios, timeout=900)
 
@@ -276,10 +283,11 @@ def test_fused_sub_parameters_of_unequal_sizes_tp2_dp1_update_each_sub_matrix_bi
     assert_fused_update_is_separate_matrices(ranks, 2, model="phi3_gqa")
 
 
-@pytest.mark.parametrize("index, kind", [(3, "shampoo"), (4, "soap")])
+@pytest.mark.parametrize("index, kind", [(3, "shampoo"), (4, "soap"), (6, "normuon"), (7, "adamuon")])
 def test_fused_sub_parameters_with_shampoo_or_soap_are_refused_at_init(tp2_dp1, index, kind):
     """Shampoo's and SOAP's factors are per matrix: a fused weight's sub-matrices would need a state layout
-    of their own, so a fused weight under either is refused at init, naming it."""
+    of their own, so a fused weight under either is refused at init, naming it. NorMuon's row moments and
+    AdaMuon's element-wise one are not cut per sub-parameter yet (zero/tp.py FUSED_KINDS): refused alike."""
     for rank in scenario(tp2_dp1, index):
         assert rank["error"] is not None
         assert rank["error"].startswith(f"optimizer.type: {kind} cannot update parameter"), rank["error"]

@@ -1,7 +1,7 @@
 """ZeRO stage 3 with owner placement against the single-process optimizers and plain torch, on gloo ranks.
 
 One spawn per DP size (2, 3 and 4) trains a row of engines for 10 steps with clipping on: Muon,
-Shampoo and SOAP, gradient accumulation 1 and 3, fp32 and bf16, a model built under
+NorMuon, AdaMuon, Shampoo and SOAP, gradient accumulation 1 and 3, fp32 and bf16, a model built under
 ``deepspeed.zero.Init`` beside the same model built normally, and a matrix larger than
 ``reduce_bucket_size``. For each engine:
 
@@ -39,6 +39,8 @@ OPTIMIZERS = {
     "muon": {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 0.003, "weight_decay": 0.01, "ns_method": "gram"}},
     "shampoo": {"type": "Shampoo", "params": {"lr": 0.003, "adam_lr": 0.003, "precondition_frequency": 3}},
     "soap": {"type": "SOAP", "params": {"lr": 0.003, "adam_lr": 0.003, "precondition_frequency": 3}},
+    "normuon": {"type": "NorMuon", "params": {"lr": 0.02, "adam_lr": 0.003, "weight_decay": 0.01}},
+    "adamuon": {"type": "AdaMuon", "params": {"lr": 0.003, "weight_decay": 0.01}},
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MODEL_FACTORIES = {"tiny": make_model, "wide": make_wide_model}
@@ -53,6 +55,7 @@ CASES = {
         "muon_fp32_ga3_wide_zero_init": ("muon", 3, "fp32", "wide", True, False),
         "shampoo_bf16_ga3": ("shampoo", 3, "bf16", "tiny", False, False),
         "soap_fp32_ga1": ("soap", 1, "fp32", "tiny", False, False),
+        "normuon_fp32_ga1": ("normuon", 1, "fp32", "tiny", False, False),
     },
     3: {
         "muon_fp32_ga3": ("muon", 3, "fp32", "tiny", False, False),
@@ -62,6 +65,7 @@ CASES = {
         "muon_bf16_ga3_pieces": ("muon", 3, "bf16", "tiny", False, False),
         "muon_bf16_ga3_padded_pieces": ("muon", 3, "bf16", "tiny", False, False),
         "shampoo_fp32_ga1_grouped": ("shampoo", 1, "fp32", "tiny", False, False),
+        "adamuon_bf16_ga3": ("adamuon", 3, "bf16", "tiny", False, False),
     },
     4: {
         "muon_fp32_ga1": ("muon", 1, "fp32", "tiny", False, False),

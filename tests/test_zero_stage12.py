@@ -15,14 +15,23 @@ import torch
 
 from distributed import run_ranks
 from tiny_model import batches, make_model
-from zero_workers import make_config, train
+from zero_workers import make_config, train, train_many
 
 STEPS = 10
 OPTIMIZERS = {
     "muon": {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 0.003, "weight_decay": 0.01, "ns_method": "gram"}},
     "shampoo": {"type": "Shampoo", "params": {"lr": 0.003, "adam_lr": 0.003, "precondition_frequency": 3}},
     "soap": {"type": "SOAP", "params": {"lr": 0.003, "adam_lr": 0.003, "precondition_frequency": 3}},
+    # Non-default lr_scaling for each, so both rescalings run distributed (and AdaMuon without its sign step).
+    "normuon": {"type": "NorMuon", "params": {"lr": 0.02, "adam_lr": 0.003, "weight_decay": 0.01,
+                                              "lr_scaling": "match_rms_adamw"}},
+    "adamuon": {"type": "AdaMuon", "params": {"lr": 0.003, "weight_decay": 0.01, "beta2": 0.95}},
+    "adamuon_original": {"type": "AdaMuon", "params": {"lr": 0.02, "adam_lr": 0.003, "lr_scaling": "original",
+                                                       "sign_momentum": False, "ns_method": "standard"}},
 }
+# NorMuon and AdaMuon engines ride in the Muon spawns of these DP sizes (one spawn, engines in turn).
+MUON_FAMILY = ("muon", "normuon", "adamuon", "adamuon_original")
+MUON_FAMILY_WORLD_SIZES = (2, 3)
 
 
 PIECE = re.compile(r"^(?P<tensor>.+)\[(?P<start>\d+):(?P<stop>\d+)\]$")
@@ -81,7 +90,8 @@ def _replay(optimizer: dict, grads_per_step: list[dict], clip: float, model_fact
     model = model_factory()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     name = optimizer["type"].lower()
-    cls = {"muon": optim.Muon, "shampoo": optim.Shampoo, "soap": optim.SOAP}[name]
+    cls = {"muon": optim.Muon, "normuon": optim.NorMuon, "adamuon": optim.AdaMuon, "shampoo": optim.Shampoo,
+           "soap": optim.SOAP}[name]
     opt = cls(named, **translate_optimizer_params(name, optimizer["params"]))
     matrix = {id(p): group["kind"] != "adamw" for group in opt.param_groups for p in group["params"]}
     for grads in grads_per_step:
@@ -118,6 +128,11 @@ def runs():
 
     def get(kind: str, world_size: int, stage: int):
         key = (kind, world_size, stage)
+        if key not in cache and kind in MUON_FAMILY and world_size in MUON_FAMILY_WORLD_SIZES:
+            configs = [make_config(world_size, stage=stage, optimizer=OPTIMIZERS[k]) for k in MUON_FAMILY]
+            results = run_ranks(train_many, world_size, configs, STEPS, timeout=900)
+            for index, k in enumerate(MUON_FAMILY):
+                cache[(k, world_size, stage)] = [r[index] for r in results]
         if key not in cache:
             config = make_config(world_size, stage=stage, optimizer=OPTIMIZERS[kind])
             cache[key] = run_ranks(train, world_size, config, STEPS, timeout=600)
@@ -162,6 +177,19 @@ def test_non_matrix_tensors_in_pieces_are_bitwise_the_single_process_step(stage)
 def test_shampoo_and_soap_are_bitwise_the_single_process_step(runs, kind):
     results_by_stage = {stage: runs(kind, 3, stage) for stage in (1, 2)}
     for results in results_by_stage.values():
+        replay = single_process_replay(OPTIMIZERS[kind], merged_grads(results), clip=1.0)
+        assert_params_equal(results[0]["params"], replay)
+    assert_params_equal(results_by_stage[1][0]["params"], results_by_stage[2][0]["params"])
+
+
+@pytest.mark.parametrize("world_size", MUON_FAMILY_WORLD_SIZES)
+@pytest.mark.parametrize("kind", ["normuon", "adamuon", "adamuon_original"])
+def test_normuon_and_adamuon_are_bitwise_the_single_process_step(runs, kind, world_size):
+    """Engines of the Muon spawns: every rank and both stages equal the single-process optimizer."""
+    results_by_stage = {stage: runs(kind, world_size, stage) for stage in (1, 2)}
+    for results in results_by_stage.values():
+        for r in results[1:]:
+            assert_params_equal(results[0]["params"], r["params"])
         replay = single_process_replay(OPTIMIZERS[kind], merged_grads(results), clip=1.0)
         assert_params_equal(results[0]["params"], replay)
     assert_params_equal(results_by_stage[1][0]["params"], results_by_stage[2][0]["params"])

@@ -303,7 +303,8 @@ def reference_fed(optimizer: dict, *, steps: int, bf16: bool = False) -> dict[st
         for _, p in named:
             p.data = p.data.bfloat16().float()
     name = optimizer["type"].lower()
-    cls = {"muon": optim.Muon, "shampoo": optim.Shampoo, "soap": optim.SOAP}[name]
+    cls = {"muon": optim.Muon, "normuon": optim.NorMuon, "adamuon": optim.AdaMuon, "shampoo": optim.Shampoo,
+           "soap": optim.SOAP}[name]
     opt = cls(named, **translate_optimizer_params(name, optimizer["params"]))
     for step in range(steps):
         grads = [full_gradient(step, n, tuple(p.shape)) for n, p in named]
@@ -350,7 +351,8 @@ def reference_fed_phi3(optimizer: dict, *, steps: int, separate: bool, model: st
         else:
             tensors.append((name, param))
     name = optimizer["type"].lower()
-    cls = {"muon": optim.Muon, "shampoo": optim.Shampoo, "soap": optim.SOAP}[name]
+    cls = {"muon": optim.Muon, "normuon": optim.NorMuon, "adamuon": optim.AdaMuon, "shampoo": optim.Shampoo,
+           "soap": optim.SOAP}[name]
     opt = cls(tensors, **translate_optimizer_params(name, optimizer["params"]))
     by_name = dict(tensors)
     for step in range(steps):

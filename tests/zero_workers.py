@@ -137,6 +137,11 @@ def train(rank: int, world_size: int, config: dict, steps: int, *, capture_grads
     }
 
 
+def train_many(rank: int, world_size: int, configs: list[dict], steps: int) -> list[dict]:
+    """``train`` for each config in turn, in one spawn (one engine after another on the same ranks)."""
+    return [train(rank, world_size, config, steps) for config in configs]
+
+
 def _poison(grad: torch.Tensor) -> torch.Tensor:
     grad = grad.clone()
     grad.view(-1)[0] = float("nan")

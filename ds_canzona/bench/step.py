@@ -53,7 +53,7 @@ from typing import Any
 
 from ..cli import Command, OneLineParser
 from .step_report import CaseResult, _aggregate, checks, merge_payloads, plot_step, report
-from .step_systems import (MUON_PARAMS, SHAMPOO_PARAMS, SYSTEMS, ModelShape, System,  # noqa: F401
+from .step_systems import (BENCH_OPTIMIZERS, MUON_PARAMS, SHAMPOO_PARAMS, SYSTEMS, ModelShape, System,  # noqa: F401
                            _build_model, model_numel)
 from .step_worker import _batch, _rank_main  # noqa: F401  (memory3 builds its model and batches from here)
 from .step_zero3 import zero3_checks
@@ -88,7 +88,8 @@ def run_step_bench(*, dps: Sequence[int], systems: Sequence[str], optimizers: Se
     from ._ranks import run_ranks
 
     cases = [(key, opt) for opt in optimizers for key in systems if opt in SYSTEMS[key].optimizers]
-    settings = {"shape": shape, "warmup": warmup, "steps": {"muon": steps, "shampoo": shampoo_steps},
+    settings = {"shape": shape, "warmup": warmup,
+                "steps": {"muon": steps, "normuon": steps, "adamuon": steps, "shampoo": shampoo_steps},
                 "rounds": rounds, "cases": cases, "ns_method": ns_method, "ns_fp32": True,
                 "bucket_numel": bucket_numel}
     env = {"DS_ACCELERATOR": "cpu", "TRANSFORMERS_VERBOSITY": "error", "DS_CANZONA_KERNELS": "torch"}
@@ -120,7 +121,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     shape = ModelShape()
     parser.add_argument("--dp", default="2,3,4", help="comma-separated DP sizes (gloo ranks on this machine)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}")
-    parser.add_argument("--optimizers", default="muon,shampoo", help="muon, shampoo or both")
+    parser.add_argument("--optimizers", default="muon,shampoo",
+                        help="comma-separated from muon, normuon, adamuon, shampoo (NorMuon and AdaMuon: ds_canzona's "
+                             "ZeRO-1/2 rows and the ZeRO-0 schemes; timed like Muon, --steps)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per system")
     parser.add_argument("--steps", type=int, default=8, help="timed Muon steps per system and round")
     parser.add_argument("--shampoo-steps", type=int, default=5,
@@ -199,8 +202,8 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
         raise ValueError(f"unknown systems {unknown}: choose from {', '.join(SYSTEMS)}")
-    if any(o not in ("muon", "shampoo") for o in optimizers):
-        raise ValueError(f"--optimizers takes muon and/or shampoo, got {args.optimizers!r}")
+    if not optimizers or any(o not in BENCH_OPTIMIZERS for o in optimizers):
+        raise ValueError(f"--optimizers takes some of {', '.join(BENCH_OPTIMIZERS)}, got {args.optimizers!r}")
     if any(d < 1 for d in dps):
         raise ValueError(f"--dp sizes must be >= 1, got {args.dp!r}")
     if args.steps < 1 or args.shampoo_steps < 1 or args.warmup < 0 or args.rounds < 1:
@@ -220,7 +223,8 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
             "model": asdict(shape),
             "settings": {"warmup": args.warmup, "steps": args.steps, "shampoo_steps": args.shampoo_steps,
                          "rounds": args.rounds, "ns_method": args.ns_method, "compile": args.compile,
-                         "bucket_numel": args.bucket_numel, "muon": MUON_PARAMS, "shampoo": SHAMPOO_PARAMS},
+                         "bucket_numel": args.bucket_numel,
+                         **{name: params for name, (_, params) in BENCH_OPTIMIZERS.items()}},
             "results": [asdict(r) for r in results], "unavailable": unavailable,
             "checks": checks(results) + zero3_checks(results, unavailable),
             "collectives": {str(dp): c for dp, c in collectives.items()},

@@ -12,8 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .step_systems import COLLECTIVE_NAMES, SYSTEMS, ModelShape
+from .step_systems import BENCH_OPTIMIZERS, COLLECTIVE_NAMES, SYSTEMS, ModelShape
 from .step_zero3 import memory_summary, memory_table, zero3_checks, zero3_table
+
+# The optimizers timed per step (medians) that run Newton-Schulz every step.
+MUON_FAMILY = ("muon", "normuon", "adamuon")
 
 
 @dataclass(kw_only=True)
@@ -139,7 +142,7 @@ def step_table(results: Sequence[CaseResult], optimizer: str, dp: int, *, amorti
                  else "1.00x" if ref else "-")
         state_ratio = (f"{r.matrix_state_bytes_max / ref.matrix_state_bytes_max:.2f}x"
                        if ref and ref.matrix_state_bytes_max else "")
-        ns = f"{r.ns_runs_total} / {r.ns_runs_max_rank}" if optimizer == "muon" else "-"
+        ns = f"{r.ns_runs_total} / {r.ns_runs_max_rank}" if optimizer in MUON_FAMILY else "-"
         lines.append(
             f"| {r.label} | {iteration:.3f} | {fwd_bwd:.3f} | {step:.3f} | {ratio} | {ns} "
             f"| {_mb(sum(r.comm_payload_bytes.values()))} / {_mb(sum(r.comm_wire_bytes.values()))} "
@@ -227,7 +230,7 @@ def report(payload: dict[str, Any]) -> None:
     shape = ModelShape(**payload["model"])
     info, settings = payload["machine"], payload["settings"]
     dps = sorted({r.dp for r in results})
-    optimizers = [o for o in ("muon", "shampoo") if any(r.optimizer == o for r in results)]
+    optimizers = [o for o in BENCH_OPTIMIZERS if any(r.optimizer == o for r in results)]
     print(f"Model: {shape.describe()}.")
     print(f"Machine: {info['cpu']}, {info['cores']} cores; torch {info['torch']}, deepspeed {info['deepspeed']}, "
           f"transformers {info['transformers']}; gloo, one thread per rank.")
@@ -239,7 +242,8 @@ def report(payload: dict[str, Any]) -> None:
             table = step_table(results, optimizer, dp, amortised=optimizer == "shampoo")
             if not table:
                 continue
-            title = "Muon" if optimizer == "muon" else "Shampoo (mean over one preconditioner period)"
+            title = (BENCH_OPTIMIZERS[optimizer][0] if optimizer in MUON_FAMILY
+                     else "Shampoo (mean over one preconditioner period)")
             extra = (f"; DeepSpeed's equal partitions imply {_deepspeed_emulated_runs(shape, dp)} NS runs"
                      if optimizer == "muon" else "")
             print(f"\n{title}, DP={dp}{extra}:\n")
@@ -283,7 +287,7 @@ def plot_step(payload: dict[str, Any], path: str) -> None:
 
     pyplot = _pyplot()
     results = [CaseResult(**r) for r in payload["results"]]
-    optimizers = [o for o in ("muon", "shampoo") if any(r.optimizer == o for r in results)]
+    optimizers = [o for o in BENCH_OPTIMIZERS if any(r.optimizer == o for r in results)]
     figure, axes = pyplot.subplots(1, len(optimizers), figsize=(6.5 * len(optimizers), 3.6), squeeze=False)
     for axis, optimizer in zip(axes[0], optimizers):
         rows = [r for r in results if r.optimizer == optimizer]

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["COLLECTIVE_NAMES", "MUON_PARAMS", "SHAMPOO_PARAMS", "ModelShape", "SYSTEMS", "System", "model_numel"]
+__all__ = ["ADAMUON_PARAMS", "BENCH_OPTIMIZERS", "COLLECTIVE_NAMES", "MUON_PARAMS", "NORMUON_PARAMS", "SHAMPOO_PARAMS",
+           "ModelShape", "SYSTEMS", "System", "model_numel", "optimizer_params"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,8 +54,10 @@ class System:
 
 
 SYSTEMS: dict[str, System] = {s.key: s for s in (
-    System(key="canzona-z1", label="ds_canzona ZeRO-1", runtime="canzona", stage=1, optimizers=("muon", "shampoo")),
-    System(key="canzona-z2", label="ds_canzona ZeRO-2", runtime="canzona", stage=2, optimizers=("muon", "shampoo")),
+    System(key="canzona-z1", label="ds_canzona ZeRO-1", runtime="canzona", stage=1,
+           optimizers=("muon", "normuon", "adamuon", "shampoo")),
+    System(key="canzona-z2", label="ds_canzona ZeRO-2", runtime="canzona", stage=2,
+           optimizers=("muon", "normuon", "adamuon", "shampoo")),
     System(key="deepspeed-z1", label="DeepSpeed Muon ZeRO-1", runtime="deepspeed", stage=1),
     System(key="deepspeed-z1-ar", label="DeepSpeed Muon ZeRO-1, reduce_scatter off", runtime="deepspeed", stage=1,
            reduce_scatter=False),
@@ -67,9 +70,9 @@ SYSTEMS: dict[str, System] = {s.key: s for s in (
     System(key="canzona-z3-pieces", label="ds_canzona ZeRO-3, AdamW tensors in pieces", runtime="canzona", stage=3,
            reduce_scatter=False, vocab_pieces=8),
     System(key="synchronous", label="synchronous (every rank, every matrix)", runtime="synchronous", stage=0,
-           optimizers=("muon", "shampoo")),
+           optimizers=("muon", "normuon", "adamuon", "shampoo")),
     System(key="layerwise", label="layer-wise (all-reduce, LPT owners, broadcast)", runtime="layerwise", stage=0,
-           optimizers=("muon", "shampoo")),
+           optimizers=("muon", "normuon", "adamuon", "shampoo")),
 )}
 
 COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter", "all_gather_into_tensor", "broadcast")
@@ -77,6 +80,24 @@ MUON_PARAMS = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.0, "ns_method": "
                "betas": [0.9, 0.95], "eps": 1e-10}
 SHAMPOO_PARAMS = {"lr": 1e-3, "adam_lr": 3e-4, "precondition_frequency": 5, "start_preconditioning_step": 1,
                   "max_preconditioner_dim": 1024}
+# NorMuon and AdaMuon (not DeepSpeed types: ds_canzona's rows and the ZeRO-0 schemes only). Their
+# own beta2 and eps; the auxiliary AdamW's as Muon's above.
+NORMUON_PARAMS = {"lr": 0.02, "momentum": 0.95, "beta2": 0.95, "weight_decay": 0.0, "ns_method": "gram",
+                  "adam_lr": 3e-4, "adam_betas": [0.9, 0.95], "adam_eps": 1e-10}
+ADAMUON_PARAMS = {"lr": 3e-4, "momentum": 0.95, "beta2": 0.999, "weight_decay": 0.0, "ns_method": "gram",
+                  "adam_betas": [0.9, 0.95], "adam_eps": 1e-10}
+# The --optimizers names: config type and parameters; the Muon family takes --ns-method.
+BENCH_OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "muon": ("Muon", MUON_PARAMS), "normuon": ("NorMuon", NORMUON_PARAMS), "adamuon": ("AdaMuon", ADAMUON_PARAMS),
+    "shampoo": ("Shampoo", SHAMPOO_PARAMS)}
+
+
+def optimizer_params(optimizer: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """The config's optimizer.params of one --optimizers name, with the run's Newton-Schulz method."""
+    params = dict(BENCH_OPTIMIZERS[optimizer][1])
+    if "ns_method" in params:
+        params["ns_method"] = settings["ns_method"]
+    return params
 
 
 
@@ -110,11 +131,8 @@ def _engine_config(system: System, optimizer: str, settings: dict[str, Any], wor
         "zero_optimization": {"stage": system.stage, "reduce_bucket_size": settings["bucket_numel"],
                               "allgather_bucket_size": settings["bucket_numel"]},
     }
-    params = dict(MUON_PARAMS if optimizer == "muon" else SHAMPOO_PARAMS)
-    params["ns_method"] = settings["ns_method"] if optimizer == "muon" else None
-    params = {k: v for k, v in params.items() if v is not None}
     if system.runtime in ("canzona", "deepspeed"):
-        config["optimizer"] = {"type": "Muon" if optimizer == "muon" else "Shampoo", "params": params}
+        config["optimizer"] = {"type": BENCH_OPTIMIZERS[optimizer][0], "params": optimizer_params(optimizer, settings)}
     if system.runtime == "canzona":
         config["canzona"] = {"log_plan": False, "kernels": "torch"}
         if system.vocab_pieces:
@@ -138,12 +156,9 @@ def _client_optimizer(system: System, optimizer: str, model, settings: dict[str,
     from ds_canzona import optim
     from ds_canzona.zero.build import translate_optimizer_params
 
-    params = dict(MUON_PARAMS if optimizer == "muon" else SHAMPOO_PARAMS)
-    if optimizer == "muon":
-        params["ns_method"] = settings["ns_method"]
-    cls = {"muon": optim.Muon, "shampoo": optim.Shampoo}[optimizer]
+    cls = getattr(optim, BENCH_OPTIMIZERS[optimizer][0])
     inner = cls([(n, p) for n, p in model.named_parameters() if p.requires_grad],
-                **translate_optimizer_params(optimizer, params))
+                **translate_optimizer_params(optimizer, optimizer_params(optimizer, settings)))
     if system.runtime == "synchronous":
         return inner
     from .baselines import LayerwiseOptimizer

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .step_systems import SYSTEMS, ModelShape, System, _build_model, _client_optimizer, _engine_config
+from .step_systems import BENCH_OPTIMIZERS, SYSTEMS, ModelShape, System, _build_model, _client_optimizer, _engine_config
 
 
 def _tensor_bytes(values) -> int:
@@ -177,7 +177,7 @@ def _rank_main(rank: int, world_size: int, settings: dict[str, Any]) -> list[dic
     collectives = _collective_speeds(model_numel, world_size)
     results = []
     for _ in range(settings["rounds"]):
-        for optimizer in ("muon", "shampoo"):
+        for optimizer in BENCH_OPTIMIZERS:
             keys = [key for key, opt in settings["cases"] if opt == optimizer]
             if keys:
                 results.extend(_run_cases([_Case(SYSTEMS[key], optimizer) for key in keys], settings, rank,

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 # Kinds whose tensors are updated as matrices; every other tensor goes to "adamw".
-MATRIX_KINDS: frozenset[str] = frozenset({"muon", "shampoo", "soap"})
+MATRIX_KINDS: frozenset[str] = frozenset({"muon", "normuon", "adamuon", "shampoo", "soap"})
 
 
 def is_matrix(name: str, shape: Sequence[int]) -> bool:

@@ -311,6 +311,67 @@ class Muon(_MatrixOptimizer):
         return settings["lr"] if settings["lr_scaling"] == "match_rms_adamw" else DEEPSPEED_AUX_ADAM_LR
 
 
+class NorMuon(Muon):
+    """NorMuon for matrices, AdamW for the rest: Muon with a per-row second moment (``ds_canzona.optim.adaptive_muon``).
+
+    The orthogonalised update of each matrix is divided row by row by the root of an EMA
+    (``beta2``) of its rows' mean squares, then rescaled to Muon's Frobenius norm
+    (``lr_scaling='original'``, the authors' code) or to RMS 0.2 (``'match_rms_adamw'``, the
+    paper's equation, lr on AdamW's scale). Everything else is ``Muon``'s: keywords, matrices,
+    stacks, ``num_heads``, the auxiliary AdamW and the numeric contract (bit-exact with the
+    distributed step; a non-finite gradient is skipped). Defaults: the NorMuon authors' code
+    (lr 0.02, momentum 0.95, beta2 0.95, eps 1e-10, no weight decay); its auxiliary Adam's
+    (0.9, 0.95), 1e-10 and 3e-4 are DeepSpeed's too. ``batch_same_shape`` is not offered.
+    """
+
+    matrix_kind = "normuon"
+
+    def __init__(self, params: ParamsLike, *, lr: float = 0.02, momentum: float = 0.95, beta2: float = 0.95,
+                 eps: float = 1e-10, nesterov: bool = True, ns_steps: int = 5, ns_method: str = "gram",
+                 ns_coefficients: str | tuple[float, float, float] = "quintic", ns_dtype: str | None = None,
+                 gram_restart_steps: tuple[int, ...] = (2,), weight_decay: float = 0.0, lr_scaling: str = "original",
+                 num_heads: int | None = None, adam_lr: float | None = None,
+                 adam_betas: tuple[float, float] = (0.9, 0.95), adam_eps: float = 1e-10,
+                 adam_weight_decay: float | None = None, adam_w_mode: bool = True) -> None:
+        # Muon's settings plus the rule's own (Muon.__init__ takes a fixed keyword set), and
+        # batch_same_shape pinned off: the rule refuses it.
+        RuleOptimizer.__init__(self, params, dict(
+            lr=lr, momentum=momentum, beta2=beta2, eps=eps, nesterov=nesterov, ns_steps=ns_steps,
+            ns_method=ns_method, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype,
+            gram_restart_steps=gram_restart_steps, weight_decay=weight_decay, lr_scaling=lr_scaling,
+            batch_same_shape=False, num_heads=num_heads, adam_lr=adam_lr, adam_betas=adam_betas, adam_eps=adam_eps,
+            adam_weight_decay=adam_weight_decay, adam_w_mode=adam_w_mode))
+
+
+class AdaMuon(Muon):
+    """AdaMuon for matrices, AdamW for the rest: Muon with an element-wise second moment (``adaptive_muon``).
+
+    The momentum's sign (``sign_momentum``, the paper's sign-stabilised update) is orthogonalised,
+    divided element by element by the root of an EMA (``beta2``) of its squares, and rescaled to
+    RMS 0.2 (``lr_scaling='match_rms_adamw'``, the paper's RMS alignment: lr on AdamW's scale, so
+    ``adam_lr=None`` follows ``lr``) or to Muon's norm (``'original'``). Everything else is
+    ``Muon``'s. Defaults: momentum 0.95 with Nesterov, beta2 0.999, eps 1e-8 (the authors' code);
+    lr 6e-4 and weight decay 0.1 (the authors' GPT-2 recipe). ``sign_momentum=False`` is the
+    authors' published code, which has no sign step.
+    """
+
+    matrix_kind = "adamuon"
+
+    def __init__(self, params: ParamsLike, *, lr: float = 6e-4, momentum: float = 0.95, beta2: float = 0.999,
+                 eps: float = 1e-8, sign_momentum: bool = True, nesterov: bool = True, ns_steps: int = 5,
+                 ns_method: str = "gram", ns_coefficients: str | tuple[float, float, float] = "quintic",
+                 ns_dtype: str | None = None, gram_restart_steps: tuple[int, ...] = (2,), weight_decay: float = 0.1,
+                 lr_scaling: str = "match_rms_adamw", num_heads: int | None = None, adam_lr: float | None = None,
+                 adam_betas: tuple[float, float] = (0.9, 0.95), adam_eps: float = 1e-10,
+                 adam_weight_decay: float | None = None, adam_w_mode: bool = True) -> None:
+        RuleOptimizer.__init__(self, params, dict(
+            lr=lr, momentum=momentum, beta2=beta2, eps=eps, sign_momentum=sign_momentum, nesterov=nesterov,
+            ns_steps=ns_steps, ns_method=ns_method, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype,
+            gram_restart_steps=gram_restart_steps, weight_decay=weight_decay, lr_scaling=lr_scaling,
+            batch_same_shape=False, num_heads=num_heads, adam_lr=adam_lr, adam_betas=adam_betas, adam_eps=adam_eps,
+            adam_weight_decay=adam_weight_decay, adam_w_mode=adam_w_mode))
+
+
 class Shampoo(_MatrixOptimizer):
     """Shampoo (blocked Kronecker factors, AdamW-grafted step size) for matrices, AdamW for the rest.
 

@@ -60,6 +60,8 @@ __all__ = [
     "default_launch_bytes",
     "default_machine_balance",
     "muon_flops",
+    "normuon_flops",
+    "adamuon_flops",
     "newton_schulz_flops",
     "newton_schulz_launches",
     "optimizer_work",
@@ -84,6 +86,17 @@ ADAMW_ACCESSES_PER_ELEMENT = 24
 # Muon outside Newton-Schulz: momentum lerp (3), Nesterov lerp (3), normalisation (norm 1,
 # scale 2), decay (2), update (3).
 _MUON_ACCESSES_PER_ELEMENT = 14
+# NorMuon's and AdaMuon's passes after Newton-Schulz, per element (per-row terms left out):
+# flops: NorMuon's O² and row mean (2) and divide (1); AdaMuon's O² (1), moment lerp (3), sqrt and
+# + eps (2), divide (1) and sign (1); the rescale: N² and its sum (2), the product (1), and for
+# "original" O's norm too (2). Accesses, each op reading its inputs and writing its output:
+# NorMuon's O² (2), row mean (1), divide (2); AdaMuon's O² (2), lerp (3), sqrt (2), + eps (2),
+# divide (3), sign (2); the rescale's N² (2), sum (1), product (2), and "original"'s O² and sum (3).
+_NORMUON_FLOPS, _NORMUON_ACCESSES = 3, 5
+_ADAMUON_FLOPS, _ADAMUON_ACCESSES = 7, 12
+_SIGN_FLOPS, _SIGN_ACCESSES = 1, 2
+_RESCALE_FLOPS = {"original": 5, "match_rms_adamw": 3}
+_RESCALE_ACCESSES = {"original": 8, "match_rms_adamw": 5}
 # Shampoo's grafting: AdamW's passes plus the two norms (2) and the rescale (2).
 _SHAMPOO_ACCESSES_PER_ELEMENT = ADAMW_ACCESSES_PER_ELEMENT + 4
 # A factor's EMA (lerp: read the factor and the new statistic, write the factor).
@@ -114,6 +127,14 @@ ADAMW_LAUNCHES = 10
 # newton_schulz_launches.
 _MUON_TENSOR_LAUNCHES = 4
 _MUON_MATRIX_LAUNCHES = 4
+# NorMuon and AdaMuon (ds_canzona.optim.adaptive_muon) add to Muon's launches, once per tensor
+# (each pass runs on the whole stack of its matrices): the second-moment normalisation (NorMuon:
+# O², the row mean, the moment's lerp, sqrt, + eps, the divide: 6; AdaMuon: the same without the
+# mean: 5, and the sign of the momentum: 1), and the rescale to a Frobenius norm (N², its sum and
+# sqrt, + eps, the ratio, the product: 7 for "match_rms_adamw"; 9 for "original", which also takes
+# the norm of O). Counted from the rules in tests/test_plan_cost.py.
+_NORMUON_NORMALISE_LAUNCHES, _ADAMUON_NORMALISE_LAUNCHES, _SIGN_LAUNCHES = 6, 5, 1
+_RESCALE_LAUNCHES = {"original": 9, "match_rms_adamw": 7}
 # Shampoo per step: AdamW's grafting direction and its norm (10), per block a×b the two statistics,
 # the two preconditioner products and the rescale (17), and the inverse roots' refresh (18 per block
 # every precondition_frequency steps). SOAP: Adam in the rotated basis and the update (9), per rotated
@@ -238,6 +259,9 @@ def step_launches(spec: ParamSpec, optimizer: str = "muon", **options: Any) -> f
         per_matrix = _MUON_MATRIX_LAUNCHES + (rows > cols) + newton_schulz_launches(
             rows, cols, steps=merged["ns_steps"], method=merged["ns_method"])
         launches = _MUON_TENSOR_LAUNCHES + count * per_matrix + (1 + count if count > 1 else 0)
+    elif optimizer in ("normuon", "adamuon"):
+        launches = step_launches(spec, "muon", ns_steps=merged["ns_steps"], ns_method=merged["ns_method"]) \
+            * spec.tp_size + _normalisation_launches(optimizer, merged)
     elif optimizer == "shampoo":
         blocks = sum(a_count for _, a_count in _blocks(rows, merged["max_preconditioner_dim"])) * sum(
             b_count for _, b_count in _blocks(cols, merged["max_preconditioner_dim"]))
@@ -339,6 +363,57 @@ def _muon_work(shape: tuple[int, ...], *, ns_steps: int = 5, ns_method: str = "g
                                   float(_MUON_ACCESSES_PER_ELEMENT * rows * cols)))
 
 
+def _normalisation_launches(optimizer: str, options: dict[str, Any]) -> int:
+    """NorMuon's or AdaMuon's launches on top of Muon's, per tensor (see the constants above)."""
+    if optimizer == "normuon":
+        normalise = _NORMUON_NORMALISE_LAUNCHES
+    else:
+        normalise = _ADAMUON_NORMALISE_LAUNCHES + (_SIGN_LAUNCHES if options["sign_momentum"] else 0)
+    return normalise + _RESCALE_LAUNCHES[options["lr_scaling"]]
+
+
+def _normalised_muon_work(optimizer: str, shape: tuple[int, ...], *, ns_steps: int, ns_method: str,
+                          lr_scaling: str, sign_momentum: bool = False) -> StepWork:
+    """Muon's work plus the second-moment normalisation and the rescale (NorMuon, AdaMuon)."""
+    muon = _muon_work(shape, ns_steps=ns_steps, ns_method=ns_method)
+    count, rows, cols = _matrix_stack(shape)
+    numel = count * rows * cols
+    if optimizer == "normuon":
+        flops, accesses = _NORMUON_FLOPS, _NORMUON_ACCESSES
+    else:
+        flops, accesses = _ADAMUON_FLOPS, _ADAMUON_ACCESSES
+        if sign_momentum:
+            flops, accesses = flops + _SIGN_FLOPS, accesses + _SIGN_ACCESSES
+    flops += _RESCALE_FLOPS[lr_scaling]
+    accesses += _RESCALE_ACCESSES[lr_scaling]
+    return StepWork(muon.matmul_flops, muon.elementwise_flops + float(flops * numel),
+                    muon.elementwise_accesses + float(accesses * numel))
+
+
+def _normuon_work(shape: tuple[int, ...], *, ns_steps: int = 5, ns_method: str = "gram",
+                  lr_scaling: str = "original") -> StepWork:
+    return _normalised_muon_work("normuon", shape, ns_steps=ns_steps, ns_method=ns_method, lr_scaling=lr_scaling)
+
+
+def _adamuon_work(shape: tuple[int, ...], *, ns_steps: int = 5, ns_method: str = "gram",
+                  lr_scaling: str = "match_rms_adamw", sign_momentum: bool = True) -> StepWork:
+    return _normalised_muon_work("adamuon", shape, ns_steps=ns_steps, ns_method=ns_method, lr_scaling=lr_scaling,
+                                 sign_momentum=sign_momentum)
+
+
+def normuon_flops(shape: tuple[int, ...], *, ns_steps: int = 5, ns_method: str = "gram",
+                  lr_scaling: str = "original") -> float:
+    """One NorMuon step on a matrix: Muon's plus the per-row normalisation and the rescale."""
+    return _normuon_work(shape, ns_steps=ns_steps, ns_method=ns_method, lr_scaling=lr_scaling).flops
+
+
+def adamuon_flops(shape: tuple[int, ...], *, ns_steps: int = 5, ns_method: str = "gram",
+                  lr_scaling: str = "match_rms_adamw", sign_momentum: bool = True) -> float:
+    """One AdaMuon step on a matrix: Muon's plus the sign, the element-wise normalisation and the rescale."""
+    return _adamuon_work(shape, ns_steps=ns_steps, ns_method=ns_method, lr_scaling=lr_scaling,
+                         sign_momentum=sign_momentum).flops
+
+
 def _shampoo_work(shape: tuple[int, ...], *, precondition_frequency: int = 100,
                   max_preconditioner_dim: int = 1024) -> StepWork:
     count, rows, cols = _matrix_stack(shape)
@@ -372,7 +447,8 @@ def _soap_work(shape: tuple[int, ...], *, precondition_frequency: int = 10,
 
 
 _OPTIMIZER_WORK: dict[str, Callable[..., StepWork]] = {"muon": _muon_work, "shampoo": _shampoo_work,
-                                                        "soap": _soap_work}
+                                                        "soap": _soap_work, "normuon": _normuon_work,
+                                                        "adamuon": _adamuon_work}
 
 
 def optimizer_work(spec: ParamSpec, optimizer: str = "muon", **options: Any) -> StepWork:
@@ -402,8 +478,11 @@ _OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
     "muon": {"ns_steps": 5, "ns_method": "gram"},
     "shampoo": {"precondition_frequency": 100, "max_preconditioner_dim": 1024},
     "soap": {"precondition_frequency": 10, "max_preconditioner_dim": 10000},
+    "normuon": {"ns_steps": 5, "ns_method": "gram", "lr_scaling": "original"},
+    "adamuon": {"ns_steps": 5, "ns_method": "gram", "lr_scaling": "match_rms_adamw", "sign_momentum": True},
 }
-_OPTIMIZER_FLOPS: dict[str, Callable[..., float]] = {"muon": muon_flops, "shampoo": shampoo_flops, "soap": soap_flops}
+_OPTIMIZER_FLOPS: dict[str, Callable[..., float]] = {"muon": muon_flops, "shampoo": shampoo_flops, "soap": soap_flops,
+                                                     "normuon": normuon_flops, "adamuon": adamuon_flops}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -430,6 +509,10 @@ class FlopsCost:
                 raise PlanError(f"Invalid {key}={merged[key]!r}: must be an int >= 1.")
         if "ns_method" in merged and merged["ns_method"] not in ("gram", "standard"):
             raise PlanError(f"Invalid ns_method={merged['ns_method']!r}: must be 'gram' or 'standard'.")
+        if "lr_scaling" in merged and merged["lr_scaling"] not in _RESCALE_LAUNCHES:
+            raise PlanError(f"Invalid lr_scaling={merged['lr_scaling']!r}: must be one of {sorted(_RESCALE_LAUNCHES)}.")
+        if "sign_momentum" in merged and not isinstance(merged["sign_momentum"], bool):
+            raise PlanError(f"Invalid sign_momentum={merged['sign_momentum']!r}: must be True or False.")
         object.__setattr__(self, "options", tuple(sorted(merged.items())))
 
     @property
@@ -495,7 +578,8 @@ def cost_model(name: str = "flops", optimizer: str = "muon", *, machine_balance:
                launch_bytes: float | None = None, **options: Any) -> CostModel:
     """Build a cost model: ``numel``, ``flops`` or ``roofline`` of ``optimizer`` with its options.
 
-    Options: Muon ``ns_steps`` (5), ``ns_method`` ("gram" or "standard"); Shampoo and SOAP
+    Options: Muon ``ns_steps`` (5), ``ns_method`` ("gram" or "standard"); NorMuon and AdaMuon
+    Muon's and ``lr_scaling`` ("original" / "match_rms_adamw"), AdaMuon ``sign_momentum`` (True); Shampoo and SOAP
     ``precondition_frequency`` (100 / 10) and ``max_preconditioner_dim`` (1024 / 10000).
     Roofline only: ``machine_balance``, matmul FLOP/s over elementwise bytes/s of the device
     (default: ``DEFAULT_MACHINE_BALANCE["cuda"]``), and ``launch_bytes``, one kernel launch in

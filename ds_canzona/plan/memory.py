@@ -46,6 +46,8 @@ STATE_ELEMENT_BYTES = 4
 # rules' defaults in ds_canzona.optim.shampoo / soap).
 MEMORY_OPTIMIZERS: dict[str, dict[str, int]] = {
     "muon": {},
+    "normuon": {},
+    "adamuon": {},
     "shampoo": {"max_preconditioner_dim": 1024},
     "soap": {"max_preconditioner_dim": 10000},
 }
@@ -72,6 +74,11 @@ def state_elements(spec: ParamSpec, optimizer: str = "muon", *, max_precondition
     rows, cols = spec.shape[0], math.prod(spec.shape[1:])
     if optimizer == "muon":
         return numel  # momentum_buffer
+    if optimizer == "normuon":
+        _, _, matrix_cols = spec.matrix_stack
+        return numel + numel // matrix_cols  # momentum_buffer, row_second_moment (one per row of each matrix)
+    if optimizer == "adamuon":
+        return 2 * numel  # momentum_buffer, second_moment
     limit = max_preconditioner_dim if max_preconditioner_dim is not None else \
         MEMORY_OPTIMIZERS[optimizer]["max_preconditioner_dim"]
     if optimizer == "shampoo":

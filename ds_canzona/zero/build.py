@@ -15,6 +15,9 @@ from ds_canzona.zero.support import autotp_size
 # auxiliary AdamW's (DeepSpeed's _muon_param_groups). Shampoo and SOAP have betas and eps of
 # their own, so there the auxiliary AdamW's are spelled adam_betas / adam_eps.
 _ADAM_KEYS = {"betas": "adam_betas", "eps": "adam_eps"}
+# NorMuon and AdaMuon are not DeepSpeed types; they carry Muon's auxiliary Adam (its adam_w_mode
+# and torch_adam), but their own beta2 and eps, so their auxiliary AdamW's are adam_betas / adam_eps.
+_MUON_FAMILY = ("muon", "normuon", "adamuon")
 # Read here, not passed to the optimizer class: per-head Muon comes from DeepSpeed's head tags.
 _PER_HEAD_KEY = "per_head_muon"
 
@@ -110,15 +113,17 @@ def translate_optimizer_params(name: str, params: dict[str, Any]) -> dict[str, A
 
     Types "adam" and "adamw" give ds_canzona.optim.AdamW's keywords with DeepSpeed 0.19.8's
     meaning (weight decay 0 unless torch_adam picks torch.optim.AdamW; adam_w_mode; see
-    ``_adam_class_kwargs``); "muon" its auxiliary Adam's adam_w_mode too. Shampoo and SOAP are
-    not DeepSpeed types: DeepSpeed's Adam keys are refused there, but for their defaults.
+    ``_adam_class_kwargs``); "muon" its auxiliary Adam's adam_w_mode too, and so do "normuon" and
+    "adamuon" (whose own beta2 and eps leave the auxiliary AdamW's as adam_betas / adam_eps).
+    Shampoo and SOAP are not DeepSpeed types: DeepSpeed's Adam keys are refused there, but for
+    their defaults.
     """
     kwargs: dict[str, Any] = {}
     params = dict(params or {})
     params.pop(_PER_HEAD_KEY, None)
     if name in ("adam", "adamw"):
         kwargs.update(_adam_class_kwargs(name, params))
-    elif name == "muon":
+    elif name in _MUON_FAMILY:
         kwargs.update(_muon_adam_kwargs(name, params))
     else:
         for key, neutral in (("adam_w_mode", True), ("torch_adam", False)):
@@ -238,10 +243,11 @@ def optimizer_from_config(engine, model_parameters=None):
     from ds_canzona import optim
 
     name = (engine.optimizer_name() or "").lower()
-    classes = {"muon": optim.Muon, "shampoo": optim.Shampoo, "soap": optim.SOAP, "adamw": optim.AdamW,
-               "adam": optim.AdamW}
+    classes = {"muon": optim.Muon, "normuon": optim.NorMuon, "adamuon": optim.AdaMuon, "shampoo": optim.Shampoo,
+               "soap": optim.SOAP, "adamw": optim.AdamW, "adam": optim.AdamW}
     if name not in classes:
-        raise CanzonaConfigError(f"the 'canzona' section needs an optimizer of type Muon, Shampoo, SOAP or AdamW "
+        raise CanzonaConfigError(f"the 'canzona' section needs an optimizer of type Muon, NorMuon, AdaMuon, Shampoo, "
+                                 f"SOAP or AdamW "
                                  f"(in the config or as a ds_canzona.optim client optimizer), got {name!r}")
     config_params = engine.optimizer_params() or {}
     kwargs = translate_optimizer_params(name, config_params)  # DeepSpeed's meaning of the type's keys
@@ -327,7 +333,7 @@ def build_canzona_optimizer(engine, client_optimizer, model_parameters=None):
         basic = client_optimizer
     if not all("kind" in group for group in getattr(basic, "param_groups", [])):
         raise CanzonaConfigError(f"with the 'canzona' section the optimizer must come from ds_canzona.optim "
-                                 f"(Muon, Shampoo, SOAP, AdamW), got {type(basic).__name__}")
+                                 f"(Muon, NorMuon, AdaMuon, Shampoo, SOAP, AdamW), got {type(basic).__name__}")
     basic.param_groups[:] = [g for g in basic.param_groups if g["params"]]
 
     from ds_canzona import kernels
