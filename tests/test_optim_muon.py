@@ -313,3 +313,41 @@ def test_refuses_vectors():
 def test_bad_hyper_parameters_fail_at_construction(key, value, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         Muon([torch.nn.Parameter(torch.randn(4, 4))], **{key: value})
+
+
+def _groups_deepspeed_style(model: torch.nn.Module) -> list[dict]:
+    matrices = [p for p in model.parameters() if p.ndim >= 2]
+    others = [p for p in model.parameters() if p.ndim < 2]
+    return [{"params": matrices, "use_muon": True, "lr": 0.04, "momentum": 0.9},
+            {"params": others, "use_muon": False, "lr": 1e-3, "betas": (0.8, 0.99)},
+            ]
+
+
+def test_deepspeed_style_groups_with_use_muon_mean_what_deepspeeds_muon_makes_of_them():
+    """Groups written for DeepSpeed 0.19.8's MuonWithAuxAdam (``use_muon`` instead of ``kind``)
+    give each parameter the settings DeepSpeed's optimizer gives it, and carry ``use_muon`` back
+    (DeepSpeed's tests read ``param_groups[i]["use_muon"]``), also after a state dict without it."""
+    from deepspeed.runtime.zero.muon.original_muon import MuonWithAuxAdam
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.LayerNorm(6), torch.nn.Linear(6, 4))
+    theirs = MuonWithAuxAdam(_groups_deepspeed_style(model))
+    ours = Muon(_groups_deepspeed_style(model))
+
+    def settings(optimizer, keys):
+        return {id(p): tuple(group.get(k) for k in keys) for group in optimizer.param_groups for p in group["params"]}
+
+    assert settings(ours, ("use_muon", "lr")) == settings(theirs, ("use_muon", "lr"))
+    assert all(group["kind"] == ("muon" if group["use_muon"] else "adamw") for group in ours.param_groups)
+    muon_keys, adam_keys = ("momentum", "weight_decay", "ns_method"), ("betas", "eps", "weight_decay")
+    for mine, deepspeeds in zip(ours.param_groups, theirs.param_groups):
+        for key in muon_keys if deepspeeds["use_muon"] else adam_keys:
+            assert tuple(mine[key]) == tuple(deepspeeds[key]) if key == "betas" else mine[key] == deepspeeds[key], key
+
+    state = ours.state_dict()
+    for group in state["param_groups"]:
+        del group["use_muon"]
+    ours.load_state_dict(state)
+    assert [g["use_muon"] for g in ours.param_groups] == [True, False]
+    with pytest.raises(ValueError, match="use_muon=True, which names 'muon'"):
+        Muon([{"params": [model[0].weight], "use_muon": True, "kind": "adamw"}])

@@ -57,6 +57,9 @@ class RuleOptimizer(torch.optim.Optimizer):
         items = _named_items(group.pop("params", None), group.pop("param_names", None))
         kind = group.pop("kind", None)
         name = group.pop("name", None)
+        use_muon = group.pop("use_muon", None)
+        if use_muon is not None:
+            kind = self._kind_of_use_muon(bool(use_muon), kind)
         defaults = self._split(self._settings)
         if kind is None:
             unknown = sorted(set(group) - set(self._settings))
@@ -95,7 +98,23 @@ class RuleOptimizer(torch.optim.Optimizer):
             new_group: dict[str, Any] = {"params": params, "kind": kind_, **hyper}
             if name is not None:
                 new_group["name"] = name
+            self._mark_use_muon(new_group)
             super().add_param_group(new_group)
+
+    def _kind_of_use_muon(self, use_muon: bool, kind: str | None) -> str:
+        """The kind a DeepSpeed-style group's ``use_muon`` names (DeepSpeed's MuonWithAuxAdam groups carry it)."""
+        if self.matrix_kind != "muon":
+            raise ValueError(f"Invalid param group key 'use_muon': it names Muon's halves; {type(self).__name__} "
+                             "groups take 'kind'")
+        implied = "muon" if use_muon else "adamw"
+        if kind is not None and kind != implied:
+            raise ValueError(f"param group has kind={kind!r} and use_muon={use_muon}, which names {implied!r}")
+        return implied
+
+    def _mark_use_muon(self, group: dict[str, Any]) -> None:
+        # Code written for DeepSpeed's Muon reads group["use_muon"]; the kind says the same thing.
+        if self.matrix_kind == "muon":
+            group["use_muon"] = group["kind"] == "muon"
 
     def _kind_of(self, name: str | None, tensor: Tensor) -> str:
         if self.matrix_kind is not None and is_matrix(name or "", logical_shape(tensor)):
@@ -175,6 +194,8 @@ class RuleOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
+        for group in self.param_groups:  # torch puts back the saved keys; a state dict from before use_muon lacks it
+            self._mark_use_muon(group)
         saved_ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
         params = [param for group in self.param_groups for param in group["params"]]
         for pid, param in zip(saved_ids, params):
