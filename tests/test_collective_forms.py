@@ -496,6 +496,7 @@ def test_plan_command_reports_the_forms_and_their_padding(capsys):
 
     from ds_canzona.cli import main
     from ds_canzona.plan.collectives import padding_numel
+    from ds_canzona.plan.gather_groups import all_gather_groups
 
     assert main(["plan", "--model", "qwen3-0.6b", "--dp", "8", "--json", "--collectives", "padded"]) == 0
     document = json.loads(capsys.readouterr().out)
@@ -504,6 +505,13 @@ def test_plan_command_reports_the_forms_and_their_padding(capsys):
     assert reduce_scatter["forms"] == ["padded"] * len(cuts) and reduce_scatter["grouped"] == 0
     assert reduce_scatter["padding_bytes"] == 2 * sum(padding_numel(c) for c in cuts)  # bf16
     assert reduce_scatter["padded_s"] > reduce_scatter["grouped_s"]  # whole-tensor segments: padding costs more
+    groups = document["all_gather_groups"]
+    assert groups["setting"] == "default" and groups["groups"] == [list(g) for g in all_gather_groups(len(cuts))]
+    # Padded everywhere: one all-gather launch per group, one reduce-scatter per bucket, the norm.
+    assert groups["launches_per_step"] == {"reduce_scatter": len(cuts), "all_gather": 2, "all_reduce": 1}
     assert main(["plan", "--model", "qwen3-0.6b", "--dp", "8"]) == 0
     table = capsys.readouterr().out
     assert "collectives (default, backend nccl), per step:" in table and "0 buckets padded" in table
+    assert "all-gather groups (default): 2 groups" in table and f"= {len(cuts) + 3}" in table
+    assert main(["plan", "--model", "qwen3-0.6b", "--dp", "8", "--all-gather-groups", "per_bucket"]) == 0
+    assert f"{len(cuts)} all-gather + 1 norm all-reduce = {2 * len(cuts) + 1}" in capsys.readouterr().out
