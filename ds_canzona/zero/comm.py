@@ -195,10 +195,10 @@ def _all_gather_padded(buckets: list[tuple[torch.Tensor, tuple[int, ...]]], rank
             counter.add("all_gather", gathered.numel() * element,
                         padding_bytes=(gathered.numel() - flat.numel()) * element)
     _quiet_tensor_collectives()
-    with LaunchGroup(group=group, device=staged[0][0].device) as launch:
+    # torch queues the calls and issues them as one allgather_into_tensor_coalesced at the end of the
+    # block (on gloo each runs here).
+    with LaunchGroup(group=group, device=staged[0][0].device, queued=True) as launch:
         for _, _, gathered, largest in staged:
-            # Not async: inside a coalesced block torch queues the call and returns no work of its
-            # own (the block's work ends them all); on gloo it runs here.
             dist.all_gather_into_tensor(gathered, gathered[rank * largest:(rank + 1) * largest], group=group)
     for work in launch.works:
         work.wait()
