@@ -23,8 +23,8 @@ from .plan.dp import DEFAULT_SPLIT_NUMEL, STRATEGIES, plan_dp_partitions
 from .plan.memory import StateMemory, memory_model
 from .plan.models import model_specs, shipped_models
 from .plan.owners import plan_zero3_owners
-from .plan.report import (COMMUNICATION_LEGEND, format_all_gather_groups, format_collective_forms, format_dp_table, format_tp_groups,
-                          format_zero3_table, plot_dp)
+from .plan.report import (COMMUNICATION_LEGEND, format_all_gather_groups, format_collective_forms, format_dp_table,
+                          format_tp_groups, format_zero3_table, plot_dp)
 from .plan.specs import ParamSpec, PlanError, shard_for_tp, specs_from_hf_config, specs_from_shapes_file
 from .plan.tp import DEFAULT_CAPACITY_BYTES, plan_tp_micro_groups
 
@@ -173,8 +173,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bucket collectives as canzona.collectives: the cost model's choice per bucket (default), "
                              "grouped or padded; reported with the padding bytes it costs")
     parser.add_argument("--all-gather-groups", type=_gather_groups, default="default", metavar="N",
-                        help="gather groups as canzona.all_gather_groups: an int >= 1, per_bucket, or default (2 groups); "
-                             "reported with the launches per step they give")
+                        help="gather groups as canzona.all_gather_groups: an int >= 1, per_bucket, or default "
+                             "(2 groups); reported with the launches per step they give")
     parser.add_argument("--backend", default="nccl", metavar="NAME",
                         help="the process group's backend the choice is made for (default nccl; gloo keeps grouped)")
     parser.add_argument("--collective-launch-s", type=_positive, default=None, metavar="S",

@@ -16,7 +16,8 @@ from .owners import Zero3Plan
 from .specs import PlanError
 from .tp import TPPlan
 
-__all__ = ["COMMUNICATION_LEGEND", "format_all_gather_groups", "format_collective_forms", "format_dp_table", "format_tp_groups", "format_zero3_table", "plot_dp"]
+__all__ = ["COMMUNICATION_LEGEND", "format_all_gather_groups", "format_collective_forms", "format_dp_table",
+           "format_tp_groups", "format_zero3_table", "plot_dp"]
 
 # What the table's "communication" number is, and what alpha trades (docs/PLANNER.md, "Reading the table").
 COMMUNICATION_LEGEND = (
@@ -43,8 +44,8 @@ def format_all_gather_groups(groups: tuple[tuple[int, ...], ...], forms: BucketF
     held = "-".join(str(size) for size in (sizes[-1], sizes[0])) if len(sizes) > 1 else str(sizes[0] if sizes else 0)
     launches = step_launches(groups, forms.all_gather, world_size)
     noun = "group" if len(groups) == 1 else "groups"
-    return (f"all-gather groups ({setting}): {len(groups)} {noun} of {held} consecutive buckets; launches per step where the "
-            f"backend groups: {launches['reduce_scatter']} reduce-scatter + {launches['all_gather']} all-gather + "
+    return (f"all-gather groups ({setting}): {len(groups)} {noun} of {held} consecutive buckets; launches per step "
+            f"where the backend groups: {launches['reduce_scatter']} reduce-scatter + {launches['all_gather']} all-gather + "
             f"{launches['all_reduce']} norm all-reduce = {sum(launches.values())}")
 
 
