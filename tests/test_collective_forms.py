@@ -7,14 +7,19 @@
   grouped reduce-scatter of other backends (a reduce per non-empty segment, switched on for gloo), train 3 steps on
   gradients rounded to multiples of 2**-20 (so the sum over ranks is exact in fp32 whatever
   order a collective adds in: gloo's list reduce-scatter and its reduce_scatter_tensor add in
-  different orders at DP>=3, and so would NCCL's ncclReduce and ncclReduceScatter). The
-  parameters of all five are bitwise equal, and equal the single-process optimizer fed the
-  runtime's averaged gradients.
-- Launches at DP=64, in one process on torch's fake process group: the padded form issues one
-  reduce_scatter_tensor and one all_gather_into_tensor per bucket; the grouped form one grouped
-  launch per bucket and collective holding a reduce (or broadcast) per non-empty segment, counted
-  from the cuts (fewer than 64: most ranks own nothing in a bucket). The default is the cost
-  model's choice for each bucket (padded for some here).
+  different orders at DP>=3, and so would NCCL's ncclReduce and ncclReduceScatter). Stage 2
+  grouped runs twice, with one gather group and with one per bucket. The parameters of all six
+  are bitwise equal, and equal the single-process optimizer fed the runtime's averaged gradients.
+- Launches at DP=64, in one process on torch's fake process group: per bucket one
+  reduce_scatter_tensor (padded) or one grouped launch of a reduce per non-empty segment
+  (grouped; fewer than 64: most ranks own nothing in a bucket), the norm's all-reduce, then per
+  gather group (``canzona.all_gather_groups``) one launch per form its buckets take: the grouped
+  buckets' broadcasts together, the padded buckets' all_gather_into_tensor calls together. Five
+  engines: the default forms (the cost model's choice, padded here) and groups, grouped with the
+  default two groups and with one per bucket, padded in one group, and one group holding both
+  forms (a wire rate chosen so the cost model pads some buckets and not others).
+- Gather groups in one process: the grouping at both extremes and between, the default's rule,
+  launches per group and form, bad settings; the plan command's report of them.
 """
 
 from __future__ import annotations
