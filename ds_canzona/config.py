@@ -17,6 +17,7 @@ from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
 from ds_canzona.plan import DEFAULT_SPLIT_NUMEL
 from ds_canzona.plan.collectives import DEFAULT_COLLECTIVE_BYTES_PER_S, DEFAULT_COLLECTIVE_LAUNCH_S, CollectiveCosts
+from ds_canzona.plan.gather_groups import check_all_gather_groups
 
 CANZONA_SECTION = "canzona"
 
@@ -113,6 +114,13 @@ class CanzonaConfig(DeepSpeedConfigModel):
         rate = DEFAULT_COLLECTIVE_BYTES_PER_S if self.collective_bytes_per_s is None else self.collective_bytes_per_s
         return CollectiveCosts(launch_s=float(launch), bytes_per_s=float(rate))
 
+    all_gather_groups: int | Literal["default", "per_bucket"] = "default"
+    """Stages 1/2: how many launches the step's bucket all-gathers take. Consecutive buckets form a group whose
+    all-gathers go out as one launch once its last bucket is updated, overlapping the update of the next group: an
+    int n >= 1 (min(n, buckets) groups), "per_bucket" (one launch per bucket, the most overlap), or "default"
+    (2 groups: as many all-gather launches as DeepSpeed's stage 2 issues; ds_canzona.plan.gather_groups). Not "auto":
+    the HuggingFace Trainer takes any "auto" in a DeepSpeed config for a placeholder it must fill."""
+
     offload_staging_bytes: int = Field(256 * 2**20, gt=0)
     """With zero_optimization.offload_optimizer (device cpu): the device bytes the matrix items' masters, gradients
     and state take while staged for their update (two waves of at most half of it, one copied while the other
@@ -129,6 +137,11 @@ class CanzonaConfig(DeepSpeedConfigModel):
             raise ValueError("'uniform' splits tensors across ranks; the runtime needs whole-tensor owners "
                              "(use 'alpha_balanced' or 'start_index')")
         return value
+
+    @field_validator("all_gather_groups")
+    @classmethod
+    def _gather_groups(cls, value: int | str) -> int | str:
+        return check_all_gather_groups(value)
 
     @field_validator("split_numel")
     @classmethod

@@ -17,13 +17,14 @@ from typing import Any
 
 from .cli import Command
 from .plan.collectives import COLLECTIVE_SETTINGS, BucketForms, CollectiveCosts, bucket_forms
+from .plan.gather_groups import ALL_GATHER_GROUP_NAMES, all_gather_groups, step_launches
 from .plan.cost import COST_MODELS, DEFAULT_MACHINE_BALANCE, CostModel, cost_model
 from .plan.dp import DEFAULT_SPLIT_NUMEL, STRATEGIES, plan_dp_partitions
 from .plan.memory import StateMemory, memory_model
 from .plan.models import model_specs, shipped_models
 from .plan.owners import plan_zero3_owners
-from .plan.report import (COMMUNICATION_LEGEND, format_collective_forms, format_dp_table, format_tp_groups,
-                          format_zero3_table, plot_dp)
+from .plan.report import (COMMUNICATION_LEGEND, format_all_gather_groups, format_collective_forms, format_dp_table,
+                          format_tp_groups, format_zero3_table, plot_dp)
 from .plan.specs import ParamSpec, PlanError, shard_for_tp, specs_from_hf_config, specs_from_shapes_file
 from .plan.tp import DEFAULT_CAPACITY_BYTES, plan_tp_micro_groups
 
@@ -49,6 +50,7 @@ def run_plan(args: argparse.Namespace) -> int:
         split_numel=args.split_numel, memory=_memory_model(args), max_state_bytes_per_rank=args.max_state_bytes,
     )
     forms = _collective_forms(args, plan.buckets)
+    gather_groups = all_gather_groups(len(plan.buckets), args.all_gather_groups)
     tp_plan = None
     if args.tp > 1:
         tp_plan = plan_tp_micro_groups(specs, tp_size=args.tp, capacity_bytes=args.tp_capacity_mb * 2**20, cost=cost)
@@ -58,6 +60,8 @@ def run_plan(args: argparse.Namespace) -> int:
         document: dict[str, Any] = plan.to_dict()
         document["digest"] = plan.digest()
         document["collectives"] = _forms_document(forms)
+        document["all_gather_groups"] = {"setting": args.all_gather_groups, "groups": [list(g) for g in gather_groups],
+                                         "launches_per_step": step_launches(gather_groups, forms.all_gather, args.dp)}
         if tp_plan is not None:
             document["tp"] = tp_plan.to_dict()
         json.dump(document, sys.stdout)
@@ -70,6 +74,7 @@ def run_plan(args: argparse.Namespace) -> int:
     print(format_dp_table(plan, title=title))
     print(COMMUNICATION_LEGEND)
     print(format_collective_forms(forms))
+    print(format_all_gather_groups(gather_groups, forms, args.all_gather_groups, args.dp))
     if tp_plan is not None:
         print()
         print(format_tp_groups(tp_plan))
@@ -167,6 +172,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--collectives", choices=COLLECTIVE_SETTINGS, default="default",
                         help="bucket collectives as canzona.collectives: the cost model's choice per bucket (default), "
                              "grouped or padded; reported with the padding bytes it costs")
+    parser.add_argument("--all-gather-groups", type=_gather_groups, default="default", metavar="N",
+                        help="gather groups as canzona.all_gather_groups: an int >= 1, per_bucket, or default "
+                             "(2 groups); reported with the launches per step they give")
     parser.add_argument("--backend", default="nccl", metavar="NAME",
                         help="the process group's backend the choice is made for (default nccl; gloo keeps grouped)")
     parser.add_argument("--collective-launch-s", type=_positive, default=None, metavar="S",
@@ -175,6 +183,18 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cost model: wire bytes per second (canzona.collective_bytes_per_s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--plot", metavar="FILE.png", help="draw per-rank cost and memory (needs matplotlib)")
+
+
+def _gather_groups(text: str) -> int | str:
+    if text in ALL_GATHER_GROUP_NAMES:
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an int >= 1 or one of {', '.join(ALL_GATHER_GROUP_NAMES)}, got {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"at least 1, got {value}")
+    return value
 
 
 COMMAND = Command(

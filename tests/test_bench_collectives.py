@@ -6,11 +6,13 @@ and then under FakeTensorMode, and records the collectives of steps 2 and 3 of e
 
 What each count must be is derived from the engine, not from the recorder:
 
-- ds_canzona: per bucket of its plan one reduce-scatter launch and one all-gather launch, in the
-  form the runtime chose for the bucket (``collective_forms``): grouped, one ``reduce`` /
-  ``broadcast`` per non-empty segment of the bucket's cuts inside one coalesced launch, carrying
-  the bucket's bytes; padded, one ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` over P
-  slots of the largest segment; plus the one all-reduce of the per-item squared norms;
+- ds_canzona: per bucket of its plan one reduce-scatter launch, in the form the runtime chose for
+  the bucket (``collective_forms``): grouped, one ``reduce`` per non-empty segment of the bucket's
+  cuts inside one coalesced launch, carrying the bucket's bytes; padded, one
+  ``reduce_scatter_tensor`` over P slots of the largest segment; per gather group
+  (``gather_groups``) one launch per all-gather form its buckets take: the grouped buckets'
+  ``broadcast`` per non-empty segment, the padded buckets' ``all_gather_into_tensor``; plus the one
+  all-reduce of the per-item squared norms;
 - DeepSpeed: one all-gather per parameter group of its flat bf16 buffers (``bit16_groups_flat``),
   carrying those buffers; its gradients are all-reduced, each once, so the all-reduces above a few
   bytes carry the model's gradients in bf16.
@@ -42,18 +44,33 @@ def _expected_canzona(engine) -> dict:
         row[2] += ops
         row[3] += payload
 
-    for b in range(len(zero.plan.buckets)):
+    def sizes(b):
         cuts = zero.layout.bucket_cuts[b]
-        sizes = [cuts[r + 1] - cuts[r] for r in range(WORLD)]
-        nonempty = sum(1 for size in sizes if size)
-        for collective, grouped_kind, padded_kind in (("reduce_scatter", "reduce", "reduce_scatter_tensor"),
-                                                      ("all_gather", "broadcast", "all_gather_into_tensor")):
-            form = getattr(zero.collective_forms, collective)[b]
-            if form == "grouped":
-                add(grouped_kind, nonempty, nonempty, sum(sizes) * 2)  # bf16 gradients and parameters
-            else:
-                add(padded_kind, 1, 1, WORLD * max(sizes) * 2)
+        return [cuts[r + 1] - cuts[r] for r in range(WORLD)]
+
+    for b in range(len(zero.plan.buckets)):
+        nonempty = sum(1 for size in sizes(b) if size)
+        if zero.collective_forms.reduce_scatter[b] == "grouped":
+            add("reduce", nonempty, nonempty, sum(sizes(b)) * 2)  # bf16 gradients
+        else:
+            add("reduce_scatter_tensor", 1, 1, WORLD * max(sizes(b)) * 2)
+    # The all-gathers: per gather group one launch per form its buckets take.
+    for group in zero.gather_groups:
+        grouped = [b for b in group if zero.collective_forms.all_gather[b] == "grouped"]
+        padded = [b for b in group if zero.collective_forms.all_gather[b] == "padded"]
+        if grouped:
+            nonempty = sum(1 for b in grouped for size in sizes(b) if size)
+            add("broadcast", nonempty, nonempty, sum(sum(sizes(b)) for b in grouped) * 2)  # bf16 parameters
+        if padded:
+            add("all_gather_into_tensor", len(padded), len(padded), sum(WORLD * max(sizes(b)) for b in padded) * 2)
     return {kind: tuple(row) for kind, row in expected.items()}
+
+
+def _gather_launches(engine) -> int:
+    from ds_canzona.plan.gather_groups import all_gather_launches
+
+    zero = engine.optimizer
+    return all_gather_launches(zero.gather_groups, zero.collective_forms.all_gather, WORLD)
 
 
 def _expected_deepspeed(engine) -> dict:
@@ -90,6 +107,7 @@ def count_both(rank: int, world_size: int) -> dict:
                 out[(system, fake)] = {"steps": [_signature(calls) for calls, _ in steps], "expected": expected,
                                        "summary": summary,
                                        "buckets": len(engine.optimizer.plan.buckets) if system == "canzona" else None,
+                                       "gather_launches": _gather_launches(engine) if system == "canzona" else None,
                                        "norm_sized": [c.payload for c in steps[0][0] if c.kind == "all_reduce"]}
     return out
 
@@ -110,7 +128,7 @@ def test_counts_match_the_plans_and_fake_tensors_match_real_ones():
         assert (got["calls"], got["launches"], got["p2p_ops"], got["payload"]) == (calls, launches, ops, payload), kind
     assert kinds["all_reduce"]["calls"] == 1  # the per-item squared norms
     assert set(kinds) == set(expected) | {"all_reduce"}
-    assert canzona["summary"]["launches"] == 2 * canzona["buckets"] + 1
+    assert canzona["summary"]["launches"] == canzona["buckets"] + canzona["gather_launches"] + 1
     if set(expected) == {"reduce", "broadcast"}:
         assert canzona["summary"]["padding"] == 0  # uneven segments, no padded form: no padding
 

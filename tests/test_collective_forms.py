@@ -7,14 +7,19 @@
   grouped reduce-scatter of other backends (a reduce per non-empty segment, switched on for gloo), train 3 steps on
   gradients rounded to multiples of 2**-20 (so the sum over ranks is exact in fp32 whatever
   order a collective adds in: gloo's list reduce-scatter and its reduce_scatter_tensor add in
-  different orders at DP>=3, and so would NCCL's ncclReduce and ncclReduceScatter). The
-  parameters of all five are bitwise equal, and equal the single-process optimizer fed the
-  runtime's averaged gradients.
-- Launches at DP=64, in one process on torch's fake process group: the padded form issues one
-  reduce_scatter_tensor and one all_gather_into_tensor per bucket; the grouped form one grouped
-  launch per bucket and collective holding a reduce (or broadcast) per non-empty segment, counted
-  from the cuts (fewer than 64: most ranks own nothing in a bucket). The default is the cost
-  model's choice for each bucket (padded for some here).
+  different orders at DP>=3, and so would NCCL's ncclReduce and ncclReduceScatter). Stage 2
+  grouped runs twice, with one gather group and with one per bucket. The parameters of all six
+  are bitwise equal, and equal the single-process optimizer fed the runtime's averaged gradients.
+- Launches at DP=64, in one process on torch's fake process group: per bucket one
+  reduce_scatter_tensor (padded) or one grouped launch of a reduce per non-empty segment
+  (grouped; fewer than 64: most ranks own nothing in a bucket), the norm's all-reduce, then per
+  gather group (``canzona.all_gather_groups``) one launch per form its buckets take: the grouped
+  buckets' broadcasts together, the padded buckets' all_gather_into_tensor calls together. Five
+  engines: the default forms (the cost model's choice, padded here) and groups, grouped with the
+  default two groups and with one per bucket, padded in one group, and one group holding both
+  forms (a wire rate chosen so the cost model pads some buckets and not others).
+- Gather groups in one process: the grouping at both extremes and between, the default's rule,
+  launches per group and form, bad settings; the plan command's report of them.
 """
 
 from __future__ import annotations
@@ -128,6 +133,77 @@ def test_config_key_and_constants():
             parse_canzona_section({"canzona": raw})
 
 
+# --------------------------------------------------------------------------- gather groups, one process
+def test_gather_groups_at_both_extremes_and_between():
+    from ds_canzona.plan.gather_groups import all_gather_group_count, all_gather_groups
+
+    assert all_gather_groups(5, 1) == ((0, 1, 2, 3, 4),)  # one launch after the whole update
+    assert all_gather_groups(5, "per_bucket") == ((0,), (1,), (2,), (3,), (4,))  # one launch per bucket
+    # Consecutive, as even as possible, the earlier groups the larger: the last one (nothing hides its gather) is small.
+    assert all_gather_groups(17, 5) == ((0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10), (11, 12, 13), (14, 15, 16))
+    assert all_gather_groups(6, 3) == ((0, 1), (2, 3), (4, 5))
+    assert all_gather_groups(2, 9) == ((0,), (1,))  # more groups than buckets: one per bucket
+    assert all_gather_groups(0, "per_bucket") == all_gather_groups(0) == ()
+    for buckets in range(1, 40):
+        for setting in (1, 2, 3, 7, "per_bucket", "default"):
+            groups = all_gather_groups(buckets, setting)
+            assert [b for g in groups for b in g] == list(range(buckets))
+            assert len(groups) == all_gather_group_count(buckets, setting)
+            assert max(map(len, groups)) - min(map(len, groups)) <= 1
+
+
+def test_default_issues_as_many_gather_launches_as_deepspeed_stage2():
+    from ds_canzona.plan.gather_groups import DEEPSPEED_STAGE2_ALL_GATHERS, all_gather_group_count
+
+    assert DEEPSPEED_STAGE2_ALL_GATHERS == 2
+    assert all_gather_group_count(17) == all_gather_group_count(66) == 2  # Qwen3-8B, Qwen3-32B at 5e8 elements
+    assert all_gather_group_count(1) == 1
+    # A step: B reduce-scatters + G all-gathers + 1 norm all-reduce; DeepSpeed's at least B + 1 + 2.
+    for buckets in (1, 2, 17, 66):
+        assert buckets + all_gather_group_count(buckets) + 1 <= buckets + 1 + DEEPSPEED_STAGE2_ALL_GATHERS
+
+
+def test_launches_per_group_count_each_form_once():
+    from ds_canzona.plan.gather_groups import all_gather_groups, all_gather_launches, step_launches
+
+    forms = ("grouped", "padded", "grouped", "grouped", "padded")
+    assert all_gather_launches(all_gather_groups(5, 1), forms, 8) == 2  # one launch per form, never mixed
+    assert all_gather_launches(all_gather_groups(5, "per_bucket"), forms, 8) == 5
+    assert all_gather_launches(((0, 1, 2), (3, 4)), forms, 8) == 4
+    assert all_gather_launches(((0, 1, 2), (3, 4)), forms, 1) == 0  # one rank: nothing gathered
+    assert step_launches(((0, 1, 2), (3, 4)), ("grouped",) * 5, 64) == {"reduce_scatter": 5, "all_gather": 2,
+                                                                         "all_reduce": 1}
+    with pytest.raises(ValueError, match="do not cover"):
+        all_gather_launches(((0, 1), (3, 4)), forms, 8)
+
+
+@pytest.mark.parametrize("bad", [0, -2, True, 2.5, "auto", "2", None])
+def test_gather_groups_reject_bad_settings(bad):
+    from ds_canzona.config import CanzonaConfigError, parse_canzona_section
+    from ds_canzona.plan.gather_groups import all_gather_groups
+
+    with pytest.raises(ValueError):
+        all_gather_groups(4, bad)
+    with pytest.raises(CanzonaConfigError, match="canzona.all_gather_groups"):
+        parse_canzona_section({"canzona": {"all_gather_groups": bad}})
+
+
+def test_gather_groups_config_key():
+    from ds_canzona.config import parse_canzona_section
+
+    assert parse_canzona_section({"canzona": {}}).all_gather_groups == "default"
+    for value in (1, 4, "per_bucket", "default"):
+        assert parse_canzona_section({"canzona": {"all_gather_groups": value}}).all_gather_groups == value
+
+
+def test_gather_groups_need_a_bucket_count():
+    from ds_canzona.plan.gather_groups import all_gather_groups
+
+    for buckets in (-1, 2.0, True):
+        with pytest.raises(ValueError, match="buckets"):
+            all_gather_groups(buckets, 1)
+
+
 # --------------------------------------------------------------------------- both forms on 3 gloo ranks
 def _on_grid(grad: torch.Tensor) -> torch.Tensor:
     return torch.round(grad / GRID) * GRID
@@ -140,6 +216,12 @@ def _gridded_model():
     for param in model.parameters():
         param.register_hook(_on_grid)
     return model
+
+
+# (name, stage, canzona.collectives, canzona.all_gather_groups): both gather-group extremes on each form.
+GLOO_ENGINES = (("grouped2", 2, "grouped", "per_bucket"), ("grouped2_one_gather", 2, "grouped", 1),
+                ("padded2", 2, "padded", 1), ("padded1", 1, "padded", "per_bucket"),
+                ("owners2", 2, "grouped", "default"), ("owners1", 1, "grouped", 1))
 
 
 @pytest.fixture(scope="module")
@@ -163,17 +245,18 @@ def _forms_ranks_with_layout(rank: int, world_size: int) -> dict:
     import ds_canzona.zero.comm as bucket_comm
 
     out = {}
-    for name, stage, collectives in (("grouped2", 2, "grouped"), ("padded2", 2, "padded"), ("padded1", 1, "padded"),
-                                     ("owners2", 2, "grouped"), ("owners1", 1, "grouped")):
+    for name, stage, collectives, gather_groups in GLOO_ENGINES:
         # owners*: the grouped reduce-scatter of other backends (a reduce per non-empty segment) run on gloo.
         bucket_comm._REDUCE_TO_OWNERS_ON_GLOO = name.startswith("owners")
-        config = zero_workers.make_config(world_size, stage=stage, canzona={"collectives": collectives})
+        config = zero_workers.make_config(world_size, stage=stage, canzona={"collectives": collectives,
+                                                                            "all_gather_groups": gather_groups})
         try:
             result = zero_workers.train(rank, world_size, config, STEPS, model_name="gridded")
         finally:
             bucket_comm._REDUCE_TO_OWNERS_ON_GLOO = False
         zero = captured["zero"]
         result["cuts"] = zero.layout.bucket_cuts
+        result["gather_groups"] = zero.gather_groups
         result["forms"] = (zero.collective_forms.reduce_scatter, zero.collective_forms.all_gather)
         result["calls"] = dict(zero.comm.calls)
         result["operations"] = dict(zero.comm.operations)
@@ -183,6 +266,7 @@ def _forms_ranks_with_layout(rank: int, world_size: int) -> dict:
 
 
 def test_padded_and_grouped_forms_are_bitwise_equal_and_the_single_process_step(gloo_runs):
+    from ds_canzona.plan.gather_groups import all_gather_groups
     from test_zero_stage12 import assert_params_equal, merged_grads, single_process_replay
     from zero_workers import BASE_CONFIG
 
@@ -192,6 +276,7 @@ def test_padded_and_grouped_forms_are_bitwise_equal_and_the_single_process_step(
     assert any(0 in s for s in sizes), f"no bucket has an empty segment: {sizes}"
     assert any(len({x for x in s if x}) > 1 for s in sizes), f"no bucket has uneven non-empty segments: {sizes}"
     buckets = len(cuts)
+    assert buckets > 2  # so one gather group, two (the default) and one per bucket all differ
     assert rank0["grouped2"]["forms"] == rank0["owners2"]["forms"] == (("grouped",) * buckets,) * 2
     # The list reduce-scatter counts P operations per bucket, the reduces to the owners one per non-empty segment.
     nonempty = sum(sum(size > 0 for size in s) for s in sizes)
@@ -204,21 +289,27 @@ def test_padded_and_grouped_forms_are_bitwise_equal_and_the_single_process_step(
         assert rank0[name]["forms"] == (("padded",) * buckets,) * 2
         assert rank0[name]["padding"]["reduce_scatter"] > 0 and rank0[name]["padding"]["all_gather"] > 0
     assert "all_gather" not in rank0["grouped2"]["calls"]  # gloo's grouped all-gather: broadcasts
-    for name in ("grouped2", "padded2", "padded1", "owners2", "owners1"):
+    for name, _, _, setting in GLOO_ENGINES:
+        assert rank0[name]["gather_groups"] == all_gather_groups(buckets, setting)
+    # gloo cannot group: a padded bucket in a gather group of several is still a gather of its own.
+    assert rank0["padded2"]["calls"]["all_gather"] == rank0["padded1"]["calls"]["all_gather"]
+    assert rank0["padded2"]["calls"]["all_gather"] % buckets == 0
+    assert rank0["grouped2_one_gather"]["calls"]["broadcast"] == rank0["grouped2"]["calls"]["broadcast"]
+    for name, _, _, _ in GLOO_ENGINES:
         results = [r[name] for r in gloo_runs]
         for r in results[1:]:
             assert_params_equal(results[0]["params"], r["params"])
         replay = single_process_replay(BASE_CONFIG["optimizer"], merged_grads(results), clip=1.0)
         assert_params_equal(results[0]["params"], replay)
     assert_params_equal(rank0["grouped2"]["params"], rank0["padded2"]["params"])
-    for name in ("padded1", "owners2", "owners1"):
+    for name in ("grouped2_one_gather", "padded1", "owners2", "owners1"):
         assert_params_equal(rank0["grouped2"]["params"], rank0[name]["params"])
 
 
 # --------------------------------------------------------------------------- launches at DP=64, one process
 FAKE_WORLD = 64
 BUCKET_COLLECTIVES = ("reduce_scatter", "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor", "broadcast",
-                      "reduce")
+                      "reduce", "all_reduce")
 
 
 class _Done:
@@ -266,6 +357,25 @@ def _record_bucket_collectives(log: list):
     LaunchGroup.__enter__, LaunchGroup.__exit__ = entered, left
 
 
+# (canzona.collectives, canzona.all_gather_groups) of the engines counted at DP=64; "mixed": the cost model's
+# choice with a wire rate that makes some buckets' all-gathers padded and others grouped.
+LAUNCH_CASES = (("default", "default"), ("grouped", "default"), ("grouped", "per_bucket"), ("padded", 1),
+                ("mixed", 1))
+
+
+def _rate_mixing_the_forms(cuts) -> float:
+    """A ``collective_bytes_per_s`` at which the cost model pads some of these buckets and groups others (fp32)."""
+    from ds_canzona.plan.collectives import CollectiveCosts, nonempty_segments, padding_numel
+
+    costs = CollectiveCosts()
+    latency = costs.latency_s(FAKE_WORLD)
+    # Padded wins below padding * 4 / rate < (k - 1) * latency - 2 * launch, i.e. above this rate.
+    thresholds = sorted({padding_numel(c) * 4 / ((nonempty_segments(c) - 1) * latency - 2 * costs.launch_s)
+                         for c in cuts if (nonempty_segments(c) - 1) * latency > 2 * costs.launch_s})
+    assert len(thresholds) > 1, thresholds
+    return math.sqrt(thresholds[0] * thresholds[1])
+
+
 def _launches_at_64(rank: int, world_size: int) -> dict:
     from fake_world import fake_world
     from tiny_model import batches
@@ -275,61 +385,91 @@ def _launches_at_64(rank: int, world_size: int) -> dict:
     with fake_world(0, FAKE_WORLD):
         log: list = ["off"]
         _record_bucket_collectives(log)
-        for collectives in ("default", "grouped"):  # "padded" runs on gloo
-            config = zero_workers.make_config(FAKE_WORLD, stage=2, gradient_accumulation_steps=1,
-                                              canzona={"collectives": collectives})
+        for collectives, groups in LAUNCH_CASES:
+            canzona = {"collectives": collectives, "all_gather_groups": groups}
+            if collectives == "mixed":
+                canzona.update(collectives="default",
+                               collective_bytes_per_s=_rate_mixing_the_forms(out[LAUNCH_CASES[0]]["cuts"]))
+            config = zero_workers.make_config(FAKE_WORLD, stage=2, gradient_accumulation_steps=1, canzona=canzona)
             engine = zero_workers.init_engine(config)
             zero = engine.optimizer
             zero.comm.reset()
             log[:] = ["on"]
             engine.backward(engine(batches(0, 0, 0, FAKE_WORLD)))
             engine.step()
-            out[collectives] = {"calls": log[1:], "cuts": zero.layout.bucket_cuts,
-                                "forms": (zero.collective_forms.reduce_scatter, zero.collective_forms.all_gather),
-                                # what CommCounter counted for the buckets (the norm's all-reduce left out)
-                                "operations": {k: zero.comm.operations[k] for k in ("reduce_scatter", "all_gather")},
-                                "counted_calls": {k: zero.comm.calls[k] for k in ("reduce_scatter", "all_gather")}}
+            out[(collectives, groups)] = {
+                "calls": log[1:], "cuts": zero.layout.bucket_cuts, "groups": zero.gather_groups,
+                "forms": (zero.collective_forms.reduce_scatter, zero.collective_forms.all_gather),
+                # what CommCounter counted for the buckets (the norm's all-reduce left out)
+                "operations": {k: zero.comm.operations[k] for k in ("reduce_scatter", "all_gather")},
+                "counted_calls": {k: zero.comm.calls[k] for k in ("reduce_scatter", "all_gather")},
+                "summary": zero.plan_summary()}
             log[:] = ["off"]
     return out
 
 
-def _expected_launches(cuts, forms) -> tuple[list, dict]:
-    """Per bucket and collective: one padded call, or one grouped launch of a reduce / broadcast per non-empty segment."""
+def _expected_launches(cuts, forms, groups) -> tuple[list, list, dict]:
+    """(reduce-scatter launches, all-gather launches in order, operations), from the cuts, forms and gather groups.
+
+    Per bucket one padded reduce-scatter or one grouped launch of a reduce per non-empty segment; per
+    gather group one launch of a broadcast per non-empty segment of its grouped buckets and one of
+    an all_gather_into_tensor per padded bucket (each only where the group has such buckets).
+    """
     from ds_canzona.plan.collectives import nonempty_segments
 
-    calls, operations = [], {"reduce_scatter": 0, "all_gather": 0}
-    for kind, kind_forms, padded_name, rooted in (("reduce_scatter", forms[0], "reduce_scatter_tensor", "reduce"),
-                                                  ("all_gather", forms[1], "all_gather_into_tensor", "broadcast")):
-        for bucket_cuts, form in zip(cuts, kind_forms):
-            if form == "padded":
-                calls.append(padded_name)
-                operations[kind] += 1
-            else:
-                calls.append(("launch", (rooted,) * nonempty_segments(bucket_cuts)))
-                operations[kind] += nonempty_segments(bucket_cuts)
-    return calls, operations
+    reduce_scatters = [("launch", ("reduce",) * nonempty_segments(c)) if form == "grouped" else "reduce_scatter_tensor"
+                       for c, form in zip(cuts, forms[0])]
+    gathers = []
+    for group in groups:
+        broadcasts = sum(nonempty_segments(cuts[b]) for b in group if forms[1][b] == "grouped")
+        padded = sum(forms[1][b] == "padded" for b in group)
+        if broadcasts:
+            gathers.append(("launch", ("broadcast",) * broadcasts))
+        if padded:
+            gathers.append(("launch", ("all_gather_into_tensor",) * padded))
+    operations = {"reduce_scatter": sum(1 if form == "padded" else nonempty_segments(c)
+                                        for c, form in zip(cuts, forms[0])),
+                  "all_gather": sum(1 if form == "padded" else nonempty_segments(c) for c, form in zip(cuts, forms[1]))}
+    return reduce_scatters, gathers, operations
 
 
-def test_grouped_launches_once_per_bucket_with_one_operation_per_non_empty_segment_at_dp64():
+def test_launches_at_dp64_are_a_reduce_scatter_per_bucket_a_gather_per_group_and_the_norm():
     from ds_canzona.plan.collectives import bucket_forms
+    from ds_canzona.plan.gather_groups import all_gather_groups
 
     (runs,) = run_ranks(_launches_at_64, 1, timeout=600)
-    cuts = runs["grouped"]["cuts"]
+    cuts = runs[LAUNCH_CASES[0]]["cuts"]
     buckets = len(cuts)
-    assert buckets > 1
+    assert buckets > 2
     segments = sum(sum(b > a for a, b in zip(c, c[1:])) for c in cuts)
     assert segments < FAKE_WORLD * buckets  # empty segments exist, so fewer operations than an uneven list's P
     # The default is the cost model's choice on a backend that is not gloo (fp32 gradients and parameters here).
     chosen = bucket_forms(cuts, reduce_scatter_bytes=4, all_gather_bytes=4, backend="fake")
-    assert runs["default"]["forms"] == (chosen.reduce_scatter, chosen.all_gather)
+    assert runs[("default", "default")]["forms"] == (chosen.reduce_scatter, chosen.all_gather)
     assert "padded" in chosen.reduce_scatter  # the padded path runs too
-    assert runs["grouped"]["forms"] == (("grouped",) * buckets,) * 2
-    for name in ("default", "grouped"):
-        calls, operations = _expected_launches(cuts, runs[name]["forms"])
-        assert sorted(map(str, runs[name]["calls"])) == sorted(map(str, calls)), name
-        assert runs[name]["operations"] == operations, name
-        assert runs[name]["counted_calls"] == {"reduce_scatter": buckets, "all_gather": buckets}, name
-    assert runs["grouped"]["operations"] == {"reduce_scatter": segments, "all_gather": segments}
+    mixed = runs[("mixed", 1)]
+    assert {"padded", "grouped"} == set(mixed["forms"][1])  # one group holding both forms: two launches
+    assert runs[("grouped", "default")]["forms"] == (("grouped",) * buckets,) * 2
+    assert runs[("padded", 1)]["forms"] == (("padded",) * buckets,) * 2
+    for case, run in runs.items():
+        collectives, setting = case
+        groups = all_gather_groups(buckets, setting)
+        assert run["groups"] == groups, case
+        reduce_scatters, gathers, operations = _expected_launches(cuts, run["forms"], groups)
+        calls = run["calls"]
+        # Reduce-scatters in backward (buckets last first), the norm's all-reduce, then the gathers in plan order.
+        assert sorted(map(str, calls[:buckets])) == sorted(map(str, reduce_scatters)), case
+        assert calls[buckets] == "all_reduce", case
+        assert calls[buckets + 1:] == gathers, case
+        assert run["operations"] == operations, case
+        assert run["counted_calls"] == {"reduce_scatter": buckets, "all_gather": len(gathers)}, case
+        assert f"= {len(calls)}" in run["summary"], run["summary"]  # the plan summary's count of launches per step
+    # One form per group: launches per step = buckets + groups + 1.
+    assert len(runs[("grouped", "default")]["calls"]) == buckets + 2 + 1
+    assert len(runs[("grouped", "per_bucket")]["calls"]) == 2 * buckets + 1
+    assert len(runs[("padded", 1)]["calls"]) == buckets + 1 + 1
+    assert len(mixed["calls"]) == buckets + 2 + 1
+    assert runs[("grouped", "default")]["operations"] == {"reduce_scatter": segments, "all_gather": segments}
 
 
 def test_bucket_collectives_refuse_an_unknown_form_and_a_short_output():
@@ -361,6 +501,7 @@ def test_plan_command_reports_the_forms_and_their_padding(capsys):
 
     from ds_canzona.cli import main
     from ds_canzona.plan.collectives import padding_numel
+    from ds_canzona.plan.gather_groups import all_gather_groups
 
     assert main(["plan", "--model", "qwen3-0.6b", "--dp", "8", "--json", "--collectives", "padded"]) == 0
     document = json.loads(capsys.readouterr().out)
@@ -369,6 +510,13 @@ def test_plan_command_reports_the_forms_and_their_padding(capsys):
     assert reduce_scatter["forms"] == ["padded"] * len(cuts) and reduce_scatter["grouped"] == 0
     assert reduce_scatter["padding_bytes"] == 2 * sum(padding_numel(c) for c in cuts)  # bf16
     assert reduce_scatter["padded_s"] > reduce_scatter["grouped_s"]  # whole-tensor segments: padding costs more
+    groups = document["all_gather_groups"]
+    assert groups["setting"] == "default" and groups["groups"] == [list(g) for g in all_gather_groups(len(cuts))]
+    # Padded everywhere: one all-gather launch per group, one reduce-scatter per bucket, the norm.
+    assert groups["launches_per_step"] == {"reduce_scatter": len(cuts), "all_gather": 2, "all_reduce": 1}
     assert main(["plan", "--model", "qwen3-0.6b", "--dp", "8"]) == 0
     table = capsys.readouterr().out
     assert "collectives (default, backend nccl), per step:" in table and "0 buckets padded" in table
+    assert "all-gather groups (default): 2 groups" in table and f"= {len(cuts) + 3}" in table
+    assert main(["plan", "--model", "qwen3-0.6b", "--dp", "8", "--all-gather-groups", "per_bucket"]) == 0
+    assert f"{len(cuts)} all-gather + 1 norm all-reduce = {2 * len(cuts) + 1}" in capsys.readouterr().out

@@ -21,7 +21,10 @@ reduction stream, the converted copy released). The fake backend is not gloo, so
 buckets take the cost model's form, grouped here (a reduce per non-empty segment in one grouped
 launch, the owner's sum copied out at the wait, and a broadcast per non-empty segment); three
 cases force the padded form (staged through padded buffers on the reduction stream, an in-place
-all-gather), one the grouped. Stage 3
+all-gather), one the grouped. The parameters' all-gathers go out per gather group (the default
+two; every bucket in one group in two cases), on the reduction stream after the compute stream's
+writes into every bucket of the group; with one compute stream writing all of them, a wait for
+fewer than all the group's buckets would not show here as a race. Stage 3
 runs the collectives a backend other than gloo gets (the fake one included): grouped by default,
 padded in one case, with the small tensors persistent (refreshed on the compute stream after each
 step) and gradient buckets that launch inside backward. The process is rank 0 of the world: at
@@ -64,6 +67,11 @@ CASES = {
     "stage2_padded_compile_streams_bf16_communication": {"stage": 2, "compile_streams": True, "config": NUMERICS,
                                                          "canzona": {"collectives": "padded"}},
     "stage2_compile_streams_grouped": {"stage": 2, "compile_streams": True, "canzona": {"collectives": "grouped"}},
+    # Every bucket in one gather group: one launch after the whole update, whose side stream must wait for the
+    # compute stream's writes into all the buckets (the other cases run the default two groups).
+    "stage2_compile_streams_one_gather_group": {"stage": 2, "compile_streams": True,
+                                                "canzona": {"collectives": "grouped", "all_gather_groups": 1}},
+    "stage1_padded_one_gather_group": {"stage": 1, "canzona": {"collectives": "padded", "all_gather_groups": 1}},
     "stage3": {"stage": 3},
     "stage3_compile_streams": {"stage": 3, "compile_streams": True},
     "stage3_compile_streams_bf16_communication": {"stage": 3, "compile_streams": True, "config": NUMERICS},
@@ -147,6 +155,20 @@ def _expected(zero, case: dict) -> dict:
     return {kind: count for kind, count in expected.items() if count}
 
 
+def _expected_gathers(zero) -> dict:
+    """Stages 1/2: the all-gathers the reduction stream must have issued, per kind (a broadcast per non-empty segment
+    of a grouped bucket, an all_gather_into_tensor per padded one, each step), and the launches (per gather group,
+    one per form its buckets take)."""
+    from ds_canzona.plan.gather_groups import all_gather_launches
+
+    forms, cuts = zero.collective_forms.all_gather, zero.layout.bucket_cuts
+    broadcasts = sum(sum(b > a for a, b in zip(c, c[1:])) for c, form in zip(cuts, forms) if form == "grouped")
+    gathers = {"broadcast": broadcasts * STEPS, "all_gather_into_tensor": sum(f == "padded" for f in forms) * STEPS}
+    return {"calls": {kind: count for kind, count in gathers.items() if count},
+            "launches": all_gather_launches(zero.gather_groups, forms, zero.world_size) * STEPS,
+            "groups": len(zero.gather_groups), "buckets": len(cuts)}
+
+
 def _run_case(case: dict) -> dict:
     import ds_canzona.zero.streams as streams
     from stream_standin import install_stream_model
@@ -172,6 +194,9 @@ def _run_case(case: dict) -> dict:
                 "side_hook_runs": side_runs[0],
                 "stream_calls": dict(model.events),
             }
+            if case["stage"] in (1, 2) and not case.get("tp"):
+                result["expected_gathers"] = _expected_gathers(zero)
+                result["gather_launches"] = zero.comm.calls["all_gather"]
             if case.get("tp"):
                 # The masters' gather at start-up, then a gather and a scatter per micro-group and step.
                 result["expected"]["all_to_all_single"] = len(zero.exchange.groups) * (1 + 2 * STEPS)
@@ -291,6 +316,13 @@ def test_runtime_orders_every_collective_and_buffer(runs, name):
     if name.startswith(("stage1", "stage2")):  # the form each case is meant to check
         padded = CASES[name].get("canzona", {}).get("collectives") == "padded"
         assert set(run["expected"]) == {"reduce_scatter_tensor" if padded else "reduce"}
+    if "expected_gathers" in run:  # stages 1/2: every gather group's all-gathers on the reduction stream
+        gathers = run["expected_gathers"]
+        for kind, count in gathers["calls"].items():
+            # (DeepSpeed's start-up broadcasts of the model run on the compute stream: only the side stream's count.)
+            assert run["collectives"].get(f"{kind} on {run['reduction_stream']}") == count, run["collectives"]
+        assert gathers["buckets"] > gathers["groups"] >= 1  # several buckets share a launch
+        assert run["gather_launches"] == gathers["launches"]
     if CASES[name].get("compile_streams"):
         assert run["side_hook_runs"] > 0
     if CASES[name]["stage"] == 3:

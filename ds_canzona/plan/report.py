@@ -11,11 +11,13 @@ from typing import Any
 
 from .collectives import BucketForms
 from .dp import DPPlan, lpt_loads
+from .gather_groups import step_launches
 from .owners import Zero3Plan
 from .specs import PlanError
 from .tp import TPPlan
 
-__all__ = ["COMMUNICATION_LEGEND", "format_collective_forms", "format_dp_table", "format_tp_groups", "format_zero3_table", "plot_dp"]
+__all__ = ["COMMUNICATION_LEGEND", "format_all_gather_groups", "format_collective_forms", "format_dp_table",
+           "format_tp_groups", "format_zero3_table", "plot_dp"]
 
 # What the table's "communication" number is, and what alpha trades (docs/PLANNER.md, "Reading the table").
 COMMUNICATION_LEGEND = (
@@ -33,6 +35,18 @@ def format_collective_forms(forms: BucketForms) -> str:
                      f"{summary.padding_bytes:,} bytes ({summary.padding_fraction:.2%} of the bucket bytes); model: "
                      f"all grouped {summary.grouped_s * 1e3:.3g} ms, all padded {summary.padded_s * 1e3:.3g} ms")
     return "\n".join(lines)
+
+
+def format_all_gather_groups(groups: tuple[tuple[int, ...], ...], forms: BucketForms, setting: int | str,
+                             world_size: int) -> str:
+    """The gather groups (how many buckets each) and the step's collective launches they give."""
+    sizes = sorted({len(group) for group in groups}, reverse=True)
+    held = "-".join(str(size) for size in (sizes[-1], sizes[0])) if len(sizes) > 1 else str(sizes[0] if sizes else 0)
+    launches = step_launches(groups, forms.all_gather, world_size)
+    noun = "group" if len(groups) == 1 else "groups"
+    return (f"all-gather groups ({setting}): {len(groups)} {noun} of {held} consecutive buckets; launches per step "
+            f"where the backend groups: {launches['reduce_scatter']} reduce-scatter + {launches['all_gather']} all-gather + "
+            f"{launches['all_reduce']} norm all-reduce = {sum(launches.values())}")
 
 
 def format_zero3_table(plan: Zero3Plan, *, title: str = "") -> str:

@@ -21,9 +21,13 @@ at init by ``ds_canzona.plan.collectives`` (the same on every rank):
   its output holds at least m (the runtime allocates its segment buffers that long); the
   elements past this rank's own segment are padding and never read.
 
+The all-gathers of several buckets (a gather group, ``ds_canzona.plan.gather_groups``) go out
+together (``all_gather_buckets``): one launch for the grouped buckets' broadcasts and one for the
+padded buckets' gathers, never mixed in one launch.
+
 ``CommCounter`` counts, per kind of call, the bytes handed to it (padding included), the calls
-launched, the operations inside them (a grouped launch: its non-empty segments; gloo's list
-reduce-scatter: P) and the padding bytes.
+launched (a gather group's launch counts once), the operations inside them (a grouped launch: its
+non-empty segments; gloo's list reduce-scatter: P) and the padding bytes.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -40,8 +45,8 @@ import deepspeed.comm as dist
 from ds_canzona.plan.collectives import GROUPED, PADDED
 from ds_canzona.zero.stage3_comm import LaunchGroup
 
-__all__ = ["CommCounter", "PlanMismatchError", "all_gather_bucket", "all_reduce_sum", "backend_name",
-           "check_digest_agreement", "reduce_scatter_bucket", "segment_views"]
+__all__ = ["CommCounter", "PlanMismatchError", "all_gather_bucket", "all_gather_buckets", "all_reduce_sum",
+           "backend_name", "check_digest_agreement", "reduce_scatter_bucket", "segment_views"]
 
 
 @dataclass
@@ -138,34 +143,70 @@ def reduce_scatter_bucket(out: torch.Tensor, flat: torch.Tensor, cuts: tuple[int
 def all_gather_bucket(flat: torch.Tensor, cuts: tuple[int, ...], rank: int, form: str, *, group,
                       counter: CommCounter) -> None:
     """Every rank's segment of ``flat`` is gathered into the same place on all ranks, in place."""
-    _check_form(form)
-    world = len(cuts) - 1
-    if world == 1:
-        return
-    element = flat.element_size()
-    if form == PADDED:
-        _all_gather_padded(flat, cuts, rank, group=group, counter=counter)
-    else:
-        _broadcast_segments(flat, cuts, group=group, counter=counter)
+    all_gather_buckets([flat], [cuts], rank, [form], group=group, counter=counter)
 
 
-def _all_gather_padded(flat: torch.Tensor, cuts: tuple[int, ...], rank: int, *, group, counter: CommCounter) -> None:
-    world, largest, element = len(cuts) - 1, _largest_segment(cuts), flat.element_size()
-    # In place: this rank's input is its own slot of the output (NCCL's in-place all-gather).
-    gathered = flat
-    if world * largest != flat.numel():
-        gathered = torch.empty(world * largest, dtype=flat.dtype, device=flat.device)
-        own = cuts[rank + 1] - cuts[rank]
-        gathered[rank * largest:rank * largest + own].copy_(flat[cuts[rank]:cuts[rank + 1]])
-        # The padding is sent but never read; zeroed, the bytes on the wire do not depend on old memory.
-        gathered[rank * largest + own:(rank + 1) * largest].zero_()
-    counter.add("all_gather", gathered.numel() * element, padding_bytes=(gathered.numel() - flat.numel()) * element)
+def all_gather_buckets(flats: Sequence[torch.Tensor], bucket_cuts: Sequence[tuple[int, ...]], rank: int,
+                       forms: Sequence[str], *, group, counter: CommCounter) -> None:
+    """All-gather several buckets in place, in as few launches as their forms allow (a gather group).
+
+    Where the backend groups collectives (not gloo), the grouped buckets' broadcasts go out as one
+    launch and the padded buckets' ``all_gather_into_tensor`` calls as another (torch coalesces
+    ops of one type; the two kinds are never mixed in one launch: ``ds_canzona.plan.gather_groups``).
+    gloo issues each call on its own, as it would bucket by bucket. Returns once every gather is
+    done (on the current stream where streams are real).
+    """
+    if not len(flats) == len(bucket_cuts) == len(forms):
+        raise ValueError(f"{len(flats)} buckets, {len(bucket_cuts)} cuts and {len(forms)} forms")
+    for form in forms:
+        _check_form(form)
+    if not flats or len(bucket_cuts[0]) - 1 == 1:
+        return  # one rank: nothing to gather
+    grouped = [(flat, cuts) for flat, cuts, form in zip(flats, bucket_cuts, forms) if form == GROUPED]
+    padded = [(flat, cuts) for flat, cuts, form in zip(flats, bucket_cuts, forms) if form == PADDED]
+    if grouped:
+        _broadcast_segments(grouped, group=group, counter=counter)
+    if padded:
+        _all_gather_padded(padded, rank, group=group, counter=counter)
+
+
+def _all_gather_padded(buckets: list[tuple[torch.Tensor, tuple[int, ...]]], rank: int, *, group,
+                       counter: CommCounter) -> None:
+    """One ``all_gather_into_tensor`` per bucket over its segments padded to the largest, in one launch."""
+    staged = []  # (flat, cuts, the padded buffer, its slot size)
+    for flat, cuts in buckets:
+        world, largest = len(cuts) - 1, _largest_segment(cuts)
+        # In place: this rank's input is its own slot of the output (NCCL's in-place all-gather).
+        gathered = flat
+        if world * largest != flat.numel():
+            gathered = torch.empty(world * largest, dtype=flat.dtype, device=flat.device)
+            own = cuts[rank + 1] - cuts[rank]
+            gathered[rank * largest:rank * largest + own].copy_(flat[cuts[rank]:cuts[rank + 1]])
+            # The padding is sent but never read; zeroed, the bytes on the wire do not depend on old memory.
+            gathered[rank * largest + own:(rank + 1) * largest].zero_()
+        staged.append((flat, cuts, gathered, largest))
+    element = buckets[0][0].element_size()
+    nbytes = sum(gathered.numel() for _, _, gathered, _ in staged) * element
+    padding = sum(gathered.numel() - flat.numel() for flat, _, gathered, _ in staged) * element
+    if backend_name(group) != "gloo":
+        counter.add("all_gather", nbytes, operations=len(staged), padding_bytes=padding)
+    else:  # gloo cannot group: each bucket's gather is a launch of its own
+        for flat, _, gathered, _ in staged:
+            counter.add("all_gather", gathered.numel() * element,
+                        padding_bytes=(gathered.numel() - flat.numel()) * element)
     _quiet_tensor_collectives()
-    dist.all_gather_into_tensor(gathered, gathered[rank * largest:(rank + 1) * largest], group=group)
-    if gathered is not flat:
-        others = [r for r in range(world) if r != rank]
-        slots, segments = _padded_slots(gathered, cuts, largest), segment_views(flat, cuts)
-        _copy_nonempty([segments[r] for r in others], [slots[r] for r in others])
+    # torch queues the calls and issues them as one allgather_into_tensor_coalesced at the end of the
+    # block (on gloo each runs here).
+    with LaunchGroup(group=group, device=staged[0][0].device, queued=True) as launch:
+        for _, _, gathered, largest in staged:
+            dist.all_gather_into_tensor(gathered, gathered[rank * largest:(rank + 1) * largest], group=group)
+    for work in launch.works:
+        work.wait()
+    for flat, cuts, gathered, largest in staged:
+        if gathered is not flat:
+            others = [r for r in range(len(cuts) - 1) if r != rank]
+            slots, segments = _padded_slots(gathered, cuts, largest), segment_views(flat, cuts)
+            _copy_nonempty([segments[r] for r in others], [slots[r] for r in others])
 
 
 # The grouped reduce-scatter on gloo is the uneven list (measured best there); tests switch this on
@@ -215,15 +256,17 @@ def _reduce_to_owners(out: torch.Tensor, flat: torch.Tensor, cuts: tuple[int, ..
     return _OwnSegmentArrival(launch.works, out, flat[cuts[rank]:cuts[rank + 1]])
 
 
-def _broadcast_segments(flat: torch.Tensor, cuts: tuple[int, ...], *, group, counter: CommCounter) -> None:
-    """One ``broadcast`` per non-empty segment from its owner, in one grouped launch (each on its own on gloo)."""
-    segments = _nonempty(flat, cuts)
+def _broadcast_segments(buckets: list[tuple[torch.Tensor, tuple[int, ...]]], *, group, counter: CommCounter) -> None:
+    """One ``broadcast`` per non-empty segment from its owner, for every bucket, in one grouped launch (each on its
+    own on gloo)."""
+    segments = [(r, segment) for flat, cuts in buckets for r, segment in _nonempty(flat, cuts)]
+    element = buckets[0][0].element_size()
     if backend_name(group) != "gloo":
-        counter.add("all_gather", flat.numel() * flat.element_size(), operations=len(segments))
+        counter.add("all_gather", sum(flat.numel() for flat, _ in buckets) * element, operations=len(segments))
     else:  # gloo cannot group: each broadcast is a launch of its own
         for _, segment in segments:
-            counter.add("broadcast", segment.numel() * flat.element_size())
-    with LaunchGroup(group=group, device=flat.device) as launch:
+            counter.add("broadcast", segment.numel() * element)
+    with LaunchGroup(group=group, device=buckets[0][0].device) as launch:
         for r, segment in segments:
             launch.add(dist.broadcast(segment, src=_global_rank(group, r), group=group, async_op=True))
     for work in launch.works:

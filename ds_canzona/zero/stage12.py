@@ -26,7 +26,8 @@ Data flow per optimizer step:
                divided before the sum) and the loss scale,
                one all-reduce of per-item squared norms (overflow + clipping), each rank
                updates the items it owns (whole matrices, non-matrix tensors or their pieces),
-               then one all-gather per bucket
+               gather group by gather group (consecutive buckets, ``canzona.all_gather_groups``),
+               each group's all-gathers issued as one launch once its buckets are updated
 
 Each bucket's reduce-scatter and all-gather is grouped (a reduce / broadcast per non-empty segment) or padded (one
 equal-size collective over segments padded to the largest), chosen at init per bucket by
@@ -53,8 +54,9 @@ from ds_canzona.config import CANZONA_SECTION, CanzonaConfig, CanzonaConfigError
 from ds_canzona.optim import rule_for_group
 from ds_canzona.plan import DPPlan, MemoryCapError, ParamSpec, StateMemory, memory_model, plan_dp_partitions
 from ds_canzona.plan.collectives import PADDED, BucketForms, bucket_forms
-from ds_canzona.plan.report import format_collective_forms
-from ds_canzona.zero.comm import all_gather_bucket, backend_name, check_digest_agreement, reduce_scatter_bucket
+from ds_canzona.plan.gather_groups import all_gather_groups
+from ds_canzona.plan.report import format_all_gather_groups, format_collective_forms
+from ds_canzona.zero.comm import all_gather_buckets, backend_name, check_digest_agreement, reduce_scatter_bucket
 from ds_canzona.zero.compat import at_accumulation_boundary
 from ds_canzona.zero.layout import BufferLayout
 from ds_canzona.zero.offload import OffloadedDeviceMemory
@@ -101,6 +103,8 @@ class CanzonaZeroOptimizer(OwnerRuntime):
         self.plan = self._make_plan(bucket_numel)
         self.layout = self._buffer_layout()
         self.collective_forms = self._choose_collective_forms()
+        # Consecutive buckets whose all-gathers go out as one launch (a function of the plan: the same on every rank).
+        self.gather_groups = all_gather_groups(len(self.plan.buckets), self.config.all_gather_groups)
         self._check_plan_agreement()
         self._print_plan_summary()
         self._create_loss_scaler(static_loss_scale=static_loss_scale, dynamic_loss_scale=dynamic_loss_scale,
@@ -203,6 +207,8 @@ class CanzonaZeroOptimizer(OwnerRuntime):
             lines.append(f"  rank {r}: cost {costs[r]:.3e}, {where}, {numels[r]} elements, "
                          f"{len(plan.owned_params(r))} items")
         lines.extend("  " + line for line in format_collective_forms(self.collective_forms).splitlines())
+        lines.append("  " + format_all_gather_groups(self.gather_groups, self.collective_forms,
+                                                     self.config.all_gather_groups, plan.world_size))
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ buffers and state
@@ -513,15 +519,17 @@ class CanzonaZeroOptimizer(OwnerRuntime):
         self.refresh_params_from_masters()
 
     def _update_and_publish(self, grads: list[torch.Tensor]) -> None:
-        """Bucket by bucket: update the owned items of a bucket, round them into its parameters, all-gather it.
+        """Gather group by gather group: update the owned items of its buckets, round them into their parameters,
+        all-gather the group's buckets in one launch.
 
-        Each bucket's all-gather is issued as soon as this rank has updated what it owns there,
-        so where streams are real it runs (on the side stream) while the next bucket is updated;
-        the compute stream waits for the gathers once, at the end. Buckets go in plan order on
-        every rank, the order the collectives must agree on. Every item's update depends on its
-        own gradient and state only, so the order changes no bits. A subclass that updates more
-        than the owned items (the tensor-parallel runtime's hosted matrices, whose slices land
-        in these buckets after the exchange) keeps the plain order: update all, then gather; so
+        Each group's all-gathers are issued as soon as this rank has updated what it owns in the
+        group's buckets, so where streams are real they run (on the side stream) while the next
+        group is updated; the compute stream waits for the gathers once, at the end. Groups are
+        consecutive buckets and go in plan order on every rank, the order the collectives must
+        agree on (``ds_canzona.plan.gather_groups``). Every item's update depends on its own
+        gradient and state only, so the order changes no bits. A subclass that updates more than
+        the owned items (the tensor-parallel runtime's hosted matrices, whose slices land in these
+        buckets after the exchange) keeps the plain order: update all, then gather the groups; so
         does optimizer offload, whose staged waves cross bucket boundaries (zero/offload.py).
         """
         if self.offload is not None or type(self)._update_owned is not OwnerRuntime._update_owned:
@@ -530,10 +538,11 @@ class CanzonaZeroOptimizer(OwnerRuntime):
         by_bucket: list[list[tuple[OwnedTensor, torch.Tensor]]] = [[] for _ in self.plan.buckets]
         for t, g in zip(self._owned, grads):
             by_bucket[self.plan.bucket_of[t.index]].append((t, g))
-        for b, work in enumerate(by_bucket):
+        for group in self.gather_groups:
+            work = [pair for b in group for pair in by_bucket[b]]
             self._run_rules(work)
             self._write_masters([t for t, _ in work])
-            self._gather_bucket(b)
+            self._gather_group(group)
         self.streams.compute_waits()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -548,13 +557,13 @@ class CanzonaZeroOptimizer(OwnerRuntime):
     # ------------------------------------------------------------------ engine glue
     @torch.no_grad()
     def refresh_params_from_masters(self) -> None:
-        """Write owned masters into the low-precision params and all-gather every bucket."""
+        """Write owned masters into the low-precision params and all-gather every bucket, group by gather group."""
         if self.offload is not None:
             self.offload.write_views(self._owned)  # host masters; right after an offloaded step, already written
         else:
             self._write_masters(self._owned)
-        for b in range(len(self.plan.buckets)):
-            self._gather_bucket(b)
+        for group in self.gather_groups:
+            self._gather_group(group)
         self.streams.compute_waits()
 
     def _write_masters(self, owned: list[OwnedTensor]) -> None:
@@ -564,10 +573,13 @@ class CanzonaZeroOptimizer(OwnerRuntime):
         if copies:  # one launch for all of them
             torch._foreach_copy_([view for view, _ in copies], [master for _, master in copies])
 
-    def _gather_bucket(self, b: int) -> None:
-        """All-gather bucket b's parameters, on the side stream after the compute stream's writes into it."""
-        key = ("params", b)
-        self.streams.use(key)
-        with self.streams.on_side(key):
-            all_gather_bucket(self.param_flat[b], self.layout.bucket_cuts[b], self.rank,
-                              self.collective_forms.all_gather[b], group=self.dp_process_group, counter=self.comm)
+    def _gather_group(self, group: tuple[int, ...]) -> None:
+        """All-gather the parameters of a gather group's buckets in one launch (one per form, where they differ),
+        on the side stream after the compute stream's writes into every one of them."""
+        keys = [("params", b) for b in group]
+        for key in keys:
+            self.streams.use(key)
+        with self.streams.on_side(*keys):
+            all_gather_buckets([self.param_flat[b] for b in group], [self.layout.bucket_cuts[b] for b in group],
+                               self.rank, [self.collective_forms.all_gather[b] for b in group],
+                               group=self.dp_process_group, counter=self.comm)

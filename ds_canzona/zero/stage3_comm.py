@@ -59,11 +59,17 @@ class LaunchGroup:
     issued. Issue every collective with ``async_op=True`` and hand its work to ``add``; ``works``
     then holds everything to wait for (the group's one work, and whichever single works the
     backend returned).
+
+    ``queued=True`` is for blocks of ``all_gather_into_tensor`` (or ``reduce_scatter_tensor``, or
+    ``all_reduce``) calls only, all of one kind: torch queues those itself and issues them at the
+    end as one ``*_coalesced`` call, so the backend's own grouping (``startCoalescing``, which the
+    rank-rooted broadcasts and reduces need) is not opened. Issue them without ``async_op``: inside
+    the block torch returns no work per call; the block's one work is in ``works``.
     """
 
-    def __init__(self, *, group, device: torch.device) -> None:
+    def __init__(self, *, group, device: torch.device, queued: bool = False) -> None:
         self._group = group
-        self._device = device
+        self._device = None if queued else device
         self._grouping = backend_name(group) != "gloo"
         self._manager = None
         self._works: list = []
