@@ -221,12 +221,17 @@ def summarise(calls, *, stage: int, model_numel: int, param_bytes: int, comm_byt
             "by_group": _by_group(calls)}
 
 
-def build_engine(system_key: str, stage: int, dp: int, source: dict[str, Any], *, bucket_numel: int, tp: int = 1):
-    """The DeepSpeed engine of one cell, in the current fake world (and fake tensor mode, if on)."""
+def build_engine(system_key: str, stage: int, dp: int, source: dict[str, Any], *, bucket_numel: int, tp: int = 1,
+                 zero_overrides: dict[str, Any] | None = None):
+    """The DeepSpeed engine of one cell, in the current fake world (and fake tensor mode, if on).
+
+    ``zero_overrides``: keys of ``zero_optimization`` to set on top of the cell's (tests use it).
+    """
     import deepspeed
 
     model = _build_model(model_config(source))
     config = engine_config(SYSTEMS[system_key], stage, dp, bucket_numel, tp)
+    config["zero_optimization"].update(zero_overrides or {})
     engine, *_ = deepspeed.initialize(model=model, config=config)
     if getattr(engine, "first_dataloader_check", None) is not None:
         # AutoTP's check that the TP ranks got the same batch runs in the first forward only (not
@@ -234,6 +239,38 @@ def build_engine(system_key: str, stage: int, dp: int, source: dict[str, Any], *
         engine.first_dataloader_check.remove()
         engine.first_dataloader_check = None
     return engine
+
+
+@contextlib.contextmanager
+def _vocab_shards_as_this_rank() -> Iterator[None]:
+    """DeepSpeed's vocabulary-parallel loss checks its shard bounds with the same all-gather, then trusts them.
+
+    The check reads every TP rank's (start, end, size) from an all-gather; on the fake world every
+    slot holds this rank's, which is no partition of the vocabulary. The collective is issued
+    as before (same size, same group) and the vocabulary is taken to be TP equal shards of this
+    rank's size: what AutoTP cuts from Qwen3's vocabularies (151,936 = 8 x 18,992) and the tiny config's.
+    """
+    import torch
+
+    import deepspeed.comm as dist
+    import deepspeed.sequence.cross_entropy as cross_entropy
+
+    original = cross_entropy._validate_vocab_shard_bounds
+
+    def validate(local_vocab_size, vocab_start_index, vocab_end_index, tp_group, device):
+        tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+        if tp == 1:
+            return original(local_vocab_size, vocab_start_index, vocab_end_index, tp_group, device)
+        bounds = torch.tensor([vocab_start_index, vocab_end_index, local_vocab_size], dtype=torch.long, device=device)
+        gathered = torch.empty(tp * bounds.numel(), dtype=bounds.dtype, device=device)
+        dist.all_gather_into_tensor(gathered, bounds, group=tp_group)
+        return tp * local_vocab_size
+
+    cross_entropy._validate_vocab_shard_bounds = validate
+    try:
+        yield
+    finally:
+        cross_entropy._validate_vocab_shard_bounds = original
 
 
 def count_steps(engine, log, *, stage: int, steps: int = 2) -> list[list]:
@@ -246,7 +283,7 @@ def count_steps(engine, log, *, stage: int, steps: int = 2) -> list[list]:
     system_is_deepspeed = not hasattr(engine.optimizer, "plan")
     data_stated = (_deepspeed_zero3_data_stated(engine, log) if system_is_deepspeed and stage == 3
                    else contextlib.nullcontext())
-    with data_stated:
+    with data_stated, _vocab_shards_as_this_rank():
         for step in range(steps):
             log.reset()
             log.active = step > 0  # the first step warms up (state allocation, DeepSpeed's ZeRO-3 trace)
@@ -263,37 +300,6 @@ def count_steps(engine, log, *, stage: int, steps: int = 2) -> list[list]:
     return recorded
 
 
-@contextlib.contextmanager
-def _vocab_shards_as_this_rank() -> Iterator[None]:
-    """DeepSpeed's vocabulary-parallel loss checks its shard bounds with the same all-gather, then trusts them.
-
-    The check reads every TP rank's (start, end, size) from an all-gather; on the fake world every
-    slot holds this rank's, which is no partition of the vocabulary. The collective is issued
-    as before (same size, same group) and the vocabulary is taken to be TP equal shards of this
-    rank's size: what AutoTP cuts from Qwen3's vocabularies (151,936 = 8 x 18,992) and the tiny config's.
-    """
-    import deepspeed.comm as dist
-    import deepspeed.sequence.cross_entropy as cross_entropy
-
-    original = cross_entropy._validate_vocab_shard_bounds
-
-    def validate(local_vocab_size, vocab_start_index, vocab_end_index, tp_group, device):
-        tp = dist.get_world_size(tp_group) if tp_group is not None else 1
-        if tp == 1:
-            return original(local_vocab_size, vocab_start_index, vocab_end_index, tp_group, device)
-        bounds = torch.tensor([vocab_start_index, vocab_end_index, local_vocab_size], dtype=torch.long, device=device)
-        gathered = torch.empty(tp * bounds.numel(), dtype=bounds.dtype, device=device)
-        dist.all_gather_into_tensor(gathered, bounds, group=tp_group)
-        return tp * local_vocab_size
-
-    import torch
-    cross_entropy._validate_vocab_shard_bounds = validate
-    try:
-        yield
-    finally:
-        cross_entropy._validate_vocab_shard_bounds = original
-
-
 def run_cell(system_key: str, stage: int, dp: int, source: dict[str, Any], *, bucket_numel: int, log,
              fake: bool, tp: int = 1) -> CellResult:
     """Build the engine of one cell in the current fake world, take two steps, summarise the second."""
@@ -302,7 +308,7 @@ def run_cell(system_key: str, stage: int, dp: int, source: dict[str, Any], *, bu
     from .fake_engine import fake_tensors
 
     started = time.perf_counter()
-    with fake_tensors(enabled=fake), _vocab_shards_as_this_rank():
+    with fake_tensors(enabled=fake):
         try:
             engine = build_engine(system_key, stage, dp, source, bucket_numel=bucket_numel, tp=tp)
         except CanzonaConfigError as error:
