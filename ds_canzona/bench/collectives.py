@@ -369,7 +369,7 @@ def run_world(rank: int, world_size: int, cells: list[tuple[str, int]], source: 
 # --------------------------------------------------------------------------- parent side
 def run_collectives(args: argparse.Namespace) -> int:
     if args.from_json:
-        document = merge_documents([json.loads(open(path).read()) for path in args.from_json.split(",")])
+        document = merge_documents([_read_run(path) for path in args.from_json.split(",")])
     else:
         document = _count(args)
     if args.json:
@@ -402,18 +402,55 @@ def _count(args: argparse.Namespace) -> dict[str, Any]:
             started = time.perf_counter()
             results += _one_world(run_ranks, dp, tp, cells, source, args)
             print(f"  TP {tp} x DP {dp}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    commit = _source_commit()
     return {"model": name, "tensors": "real" if args.real else "fake (FakeTensorMode)",
-            "bucket_numel": args.bucket_numel, "tokens": TOKENS, "cells": results}
+            "bucket_numel": args.bucket_numel, "tokens": TOKENS, "commit": commit,
+            "cells": [{**cell, "commit": commit} for cell in results]}
+
+
+def _source_commit() -> str:
+    """The commit of the code that counted (short hash, "+changes" if ds_canzona/ differs from it), or "?"."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=root, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--", "ds_canzona"], cwd=root, capture_output=True,
+                                 text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+    return commit + ("+changes" if changed else "")
+
+
+def _read_run(path: str) -> dict[str, Any]:
+    """An earlier --json run; runs written before cells carried their commit take it from the file name."""
+    import re
+
+    document = json.loads(open(path).read())
+    named = re.search(r"-([0-9a-f]{7})\.json$", path)
+    commit = document.get("commit") or (named.group(1) if named else "?")
+    return {**document, "cells": [{"commit": commit, **cell} for cell in document["cells"]]}
 
 
 def merge_documents(documents: list[dict[str, Any]]) -> dict[str, Any]:
-    """Several runs of one model and setting (say one per DP range) as one document."""
+    """Several runs of one model and setting (say one per DP range) as one document.
+
+    A (system, stage, TP, DP) cell counted in more than one run is kept from the last run given.
+    """
     first = documents[0]
     for other in documents[1:]:
         for key in ("model", "tensors", "bucket_numel", "tokens"):
             if other[key] != first[key]:
                 raise ValueError(f"--from-json: the runs differ in {key} ({first[key]!r} vs {other[key]!r})")
-    return {**first, "cells": [cell for document in documents for cell in document["cells"]]}
+    cells: dict[tuple, dict[str, Any]] = {}
+    for document in documents:
+        for cell in document["cells"]:
+            cells[(cell["system"], cell["stage"], cell.get("tp", 1), cell["dp"])] = cell
+    merged = {**first, "cells": list(cells.values())}
+    merged.pop("commit", None)  # each cell carries its own
+    return merged
 
 
 def _one_world(run_ranks, dp: int, tp: int, cells, source, args) -> list[dict[str, Any]]:
@@ -501,7 +538,20 @@ def format_markdown(document: dict[str, Any]) -> str:
     for (tp, dp, stage), row in rows.items():
         lead = ([str(tp)] if with_tp else []) + [str(dp), str(stage)]
         lines.append("| " + " | ".join(lead + [pair(row, show) for _, show in columns]) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + ["", _provenance(document)])
+
+
+def _provenance(document: dict[str, Any]) -> str:
+    """Which code counted which cells: every cell is a run of the whole model, at the commit named."""
+    where: dict[str, list[str]] = {}
+    for cell in _sorted_cells(document):
+        label = f"{SYSTEMS[cell['system']].label} stage {cell['stage']}" + (f" TP {cell['tp']}" if cell.get("tp", 1) > 1
+                                                                              else "")
+        commit = cell.get("commit", document.get("commit", "?"))
+        if label not in where.setdefault(commit, []):
+            where[commit].append(label)
+    return "Counted (every cell a run of the whole model, all layers) at: " + "; ".join(
+        f"{commit}: {', '.join(labels)}" for commit, labels in where.items()) + "."
 
 
 def _positive_list(text: str) -> tuple[int, ...]:
