@@ -281,3 +281,21 @@ def test_tp_fake_tensors_record_the_real_calls_and_autotp_is_the_same_model_for_
     assert (len(gathers), sum(c[4] for c in gathers)) == (count, payload)
     gradients = sum(c[4] for c in _calls(deepspeed, "dp", kind="all_reduce") if c[4] > 16)
     assert gradients == deepspeed["local_bytes"]  # this rank's slices, each all-reduced once over DP
+
+
+def test_markdown_names_the_tp_columns_and_where_each_cell_was_counted():
+    from ds_canzona.bench.collectives import format_markdown, merge_documents
+
+    def cell(system, tp, launches, tp_model, tp_step, commit):
+        phases = {"forward": {"launches": tp_model, "p2p_ops": tp_model}, "step": {"launches": tp_step, "p2p_ops": 1}}
+        return {"system": system, "stage": 2, "dp": 8, "tp": tp, "launches": launches, "p2p_ops": launches,
+                "sent": 2**20, "padding": 0, "commit": commit,
+                "by_group": {"tp": {"launches": tp_model + tp_step, "p2p_ops": 0, "sent": 0, "phases": phases}}}
+
+    run = {"model": "m", "tensors": "fake", "bucket_numel": 1, "tokens": 8}
+    older = {**run, "cells": [cell("deepspeed", 2, 99, 40, 3, "aaaaaaa")]}
+    newer = {**run, "cells": [cell("canzona", 2, 50, 40, 6, "bbbbbbb"), cell("deepspeed", 2, 60, 40, 3, "ccccccc")]}
+    table = format_markdown(merge_documents([older, newer]))
+    assert "| TP | DP | stage | launches | TP launches: forward + backward | TP launches: step |" in table
+    assert "| 2 | 8 | 2 | 50 / 60 | 40 / 40 | 6 / 3 |" in table  # the later run's DeepSpeed cell replaces the older
+    assert "bbbbbbb: ds_canzona stage 2 TP 2; ccccccc: DeepSpeed Muon stage 2 TP 2." in table
