@@ -361,9 +361,23 @@ def run_world(rank: int, world_size: int, cells: list[tuple[str, int]], source: 
             # here with real tensors (under FakeTensorMode every rank in it would read as 0).
             from deepspeed.utils import groups
             groups._init_tp_mesh_device(tensor_model_parallel_size=tp)
-        return [run_cell(system, stage, world_size // tp, source, bucket_numel=bucket_numel, log=log, fake=fake,
-                         tp=tp).to_dict()
+        return [_cell_or_failure(system, stage, world_size // tp, source, bucket_numel=bucket_numel, log=log,
+                                 fake=fake, tp=tp).to_dict()
                 for system, stage in cells]
+
+
+def _cell_or_failure(system_key: str, stage: int, dp: int, source, *, tp: int, **kwargs) -> CellResult:
+    """``run_cell``, or a cell that says why it failed (traceback on stderr), so the world's other cells still count."""
+    import traceback
+
+    started = time.perf_counter()
+    try:
+        return run_cell(system_key, stage, dp, source, tp=tp, **kwargs)
+    except Exception as error:  # noqa: BLE001  (any failure of a third-party engine is reported, not hidden)
+        traceback.print_exc(file=sys.stderr)
+        reason = f"failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+        return CellResult(system=system_key, stage=stage, dp=dp, tp=tp, launches=0, p2p_ops=0, sent=0, padding=0,
+                          by_kind={}, seconds=time.perf_counter() - started, unavailable=reason)
 
 
 # --------------------------------------------------------------------------- parent side
