@@ -19,6 +19,11 @@ is not gloo, so the runtimes take their NCCL paths. Per cell:
   reduce-scatters (``reduce_scatter_coalesced``) are wrapped with the bytes of their data;
   ds_canzona's broadcasts and reduces carry whole pieces, with no room for padding.
 
+With ``--tp T`` a cell is rank 0 of a world of T x DP ranks with AutoTP (``tensor_parallel.autotp_size``)
+in both configs. Every call is labelled with its process group (``group_labeller``: "tp", "dp", or
+"world" for both) and the phase that issued it (forward, backward, step), and each cell keeps its
+counts per group and phase (``by_group``) and the commit of the code that counted it.
+
 ``--real`` builds the model with real storage: every rank of a stage-1/2 world holds the whole model,
 so only models that fit in this machine's memory run that way. By default the engines run under
 torch's ``FakeTensorMode`` (see ``fake_engine``), which allocates nothing, so Qwen3-8B and 32B run
