@@ -415,13 +415,13 @@ def _count(args: argparse.Namespace) -> dict[str, Any]:
         unknown = [f"{system}:{stage}" for system, stage in cells if system not in SYSTEMS]
         if unknown:
             raise ValueError(f"unknown --cells {', '.join(unknown)}: systems are {', '.join(SYSTEMS)}")
+    commit = _source_commit()  # before counting: the worlds import the code as it is when they start
     results = []
     for tp in args.tp:
         for dp in args.dp:
             started = time.perf_counter()
             results += _one_world(run_ranks, dp, tp, cells, source, args)
             print(f"  TP {tp} x DP {dp}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
-    commit = _source_commit()
     return {"model": name, "tensors": "real" if args.real else "fake (FakeTensorMode)",
             "bucket_numel": args.bucket_numel, "tokens": TOKENS, "commit": commit,
             "cells": [{**cell, "commit": commit} for cell in results]}
