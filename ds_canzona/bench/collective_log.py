@@ -215,7 +215,8 @@ class CollectiveLog:
         self._saved: list[tuple[object, str, object]] = []
         self.phase = ""  # labels the calls recorded from now on
         self._group_label: Callable[[object], str] = _default_group_label
-        self._labels: dict[int, str] = {}  # id(group) -> label, since a label is asked per call
+        # id(group) -> (group, label), since a label is asked per call; holding the group keeps its id unique
+        self._labels: dict[int, tuple[object, str]] = {}
 
     # ------------------------------------------------------------------ results
     def reset(self) -> None:
@@ -244,8 +245,8 @@ class CollectiveLog:
     def label(self, group) -> str:
         key = id(group)
         if key not in self._labels:
-            self._labels[key] = self._group_label(group)
-        return self._labels[key]
+            self._labels[key] = (group, self._group_label(group))
+        return self._labels[key][1]
 
     # ------------------------------------------------------------------ installing
     def install(self) -> CollectiveLog:
