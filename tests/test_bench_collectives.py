@@ -1,8 +1,8 @@
 """``bench collectives`` counts what the runtimes issue, checked against counts taken from the runtimes' own plans.
 
-One spawned process (rank 0 of a fake world of 8 ranks, 23 s here at a load average of 7, 126 s at 25) builds, on the tiny Qwen3
-config, ds_canzona's ZeRO-2 engine and DeepSpeed's own ZeRO-2 Muon engine, first with real tensors
-and then under FakeTensorMode, and records the collectives of steps 2 and 3 of each.
+One spawned process (rank 0 of a fake world of 8 ranks; 23 s here at a load average of 7, 126 s
+at 25) builds, on the tiny Qwen3 config, ds_canzona's ZeRO-2 engine and DeepSpeed's own ZeRO-2
+Muon engine, first with real tensors and then under FakeTensorMode, and records the collectives of steps 2 and 3 of each.
 
 What each count must be is derived from the engine, not from the recorder:
 
@@ -23,8 +23,8 @@ The same process then runs DeepSpeed's ZeRO-3 Muon engine with real tensors twic
 make DP 256 and 1024 finish): the calls recorded must be the same, call for call, and the parameter
 partitions after three steps the same to the bit (the replacements move the same elements).
 
-A second spawn (rank 0 of TP=2 x DP=2, 14 s at a load average of 7, 92 s at 25) counts AutoTP cells, both systems at stage 2 with
-real tensors, and ds_canzona's under FakeTensorMode too:
+A second spawn (rank 0 of TP=2 x DP=2; 14 s at a load average of 7, 92 s at 25) counts AutoTP
+cells, both systems at stage 2 with real tensors, and ds_canzona's under FakeTensorMode too:
 
 - ds_canzona: on the TP group in the step, two ``all_to_all_single`` per micro-group of its TP plan
   (``tp_plans``: the gather of slices to the hosts, the scatter back); on the DP group, its buckets'
