@@ -2,7 +2,8 @@
 
 One spawned process (rank 0 of a fake world of 8 ranks; 23 s here at a load average of 7, 126 s
 at 25) builds, on the tiny Qwen3 config, ds_canzona's ZeRO-2 engine and DeepSpeed's own ZeRO-2
-Muon engine, first with real tensors and then under FakeTensorMode, and records the collectives of steps 2 and 3 of each.
+Muon engine, first with real tensors and then under FakeTensorMode, and records the collectives
+of steps 2 and 3 of each.
 
 What each count must be is derived from the engine, not from the recorder:
 
