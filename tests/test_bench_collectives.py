@@ -1,8 +1,9 @@
 """``bench collectives`` counts what the runtimes issue, checked against counts taken from the runtimes' own plans.
 
-One spawned process (rank 0 of a fake world of 8 ranks, about 30 s here) builds, on the tiny Qwen3
-config, ds_canzona's ZeRO-2 engine and DeepSpeed's own ZeRO-2 Muon engine, first with real tensors
-and then under FakeTensorMode, and records the collectives of steps 2 and 3 of each.
+One spawned process (rank 0 of a fake world of 8 ranks; 23 s here at a load average of 7, 126 s
+at 25) builds, on the tiny Qwen3 config, ds_canzona's ZeRO-2 engine and DeepSpeed's own ZeRO-2
+Muon engine, first with real tensors and then under FakeTensorMode, and records the collectives
+of steps 2 and 3 of each.
 
 What each count must be is derived from the engine, not from the recorder:
 
@@ -19,21 +20,41 @@ What each count must be is derived from the engine, not from the recorder:
 
 The fake-tensor run must record exactly what the real one does, call for call, and step 3 exactly
 what step 2 did (the counted step is a steady state).
+
+The same process then runs DeepSpeed's ZeRO-3 Muon engine with real tensors twice, with and without
+``fake_engine.deepspeed_zero3_rearranged_at_once`` (the replacements of its per-rank copy loops that
+make DP 256 and 1024 finish): the calls recorded must be the same, call for call, and the parameter
+partitions after three steps the same to the bit (the replacements move the same elements).
+
+A second spawn (rank 0 of TP=2 x DP=2; 14 s at a load average of 7, 92 s at 25) counts AutoTP
+cells, both systems at stage 2 with real tensors, and ds_canzona's under FakeTensorMode too:
+
+- ds_canzona: on the TP group in the step, two ``all_to_all_single`` per micro-group of its TP plan
+  (``tp_plans``: the gather of slices to the hosts, the scatter back); on the DP group, its buckets'
+  collectives as above, over the local slices' cuts; one norm all-reduce over the whole world;
+- both systems: in forward and backward on the TP group, AutoTP's own collectives (the model's):
+  the same calls for ds_canzona and for DeepSpeed; nothing on the DP group in forward;
+- DeepSpeed: its all-gathers of the flat bf16 groups and its gradient all-reduces over DP carry
+  this rank's slices of the model.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+import torch
 from distributed import run_ranks
 
 WORLD = 8
+TP = 2
+TP_DP = 2
 TINY = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "qwen3-tiny.json")
 BUCKET_NUMEL = 4000  # a few buckets on the tiny model
 
 
-def _expected_canzona(engine) -> dict:
-    """Per kind of call: (calls, launches, NCCL operations, payload bytes), from the plan's cuts and forms."""
+def _expected_canzona(engine, dp: int = WORLD) -> dict:
+    """Per kind of call over DP: (calls, launches, NCCL operations, payload bytes), from the plan's cuts and forms."""
     zero = engine.optimizer
     expected: dict[str, list[int]] = {}
 
@@ -46,14 +67,14 @@ def _expected_canzona(engine) -> dict:
 
     def sizes(b):
         cuts = zero.layout.bucket_cuts[b]
-        return [cuts[r + 1] - cuts[r] for r in range(WORLD)]
+        return [cuts[r + 1] - cuts[r] for r in range(dp)]
 
     for b in range(len(zero.plan.buckets)):
         nonempty = sum(1 for size in sizes(b) if size)
         if zero.collective_forms.reduce_scatter[b] == "grouped":
             add("reduce", nonempty, nonempty, sum(sizes(b)) * 2)  # bf16 gradients
         else:
-            add("reduce_scatter_tensor", 1, 1, WORLD * max(sizes(b)) * 2)
+            add("reduce_scatter_tensor", 1, 1, dp * max(sizes(b)) * 2)
     # The all-gathers: per gather group one launch per form its buckets take.
     for group in zero.gather_groups:
         grouped = [b for b in group if zero.collective_forms.all_gather[b] == "grouped"]
@@ -62,7 +83,7 @@ def _expected_canzona(engine) -> dict:
             nonempty = sum(1 for b in grouped for size in sizes(b) if size)
             add("broadcast", nonempty, nonempty, sum(sum(sizes(b)) for b in grouped) * 2)  # bf16 parameters
         if padded:
-            add("all_gather_into_tensor", len(padded), len(padded), sum(WORLD * max(sizes(b)) for b in padded) * 2)
+            add("all_gather_into_tensor", len(padded), len(padded), sum(dp * max(sizes(b)) for b in padded) * 2)
     return {kind: tuple(row) for kind, row in expected.items()}
 
 
@@ -81,7 +102,43 @@ def _expected_deepspeed(engine) -> dict:
 
 
 def _signature(calls) -> list[tuple]:
-    return [(c.kind, c.group_size, c.launches, c.p2p_ops, c.payload, c.sent) for c in calls]
+    return [(c.kind, c.group_size, c.launches, c.p2p_ops, c.payload, c.sent, c.group, c.phase) for c in calls]
+
+
+def _zero3_with_and_without_rearranging(log) -> dict:
+    """DeepSpeed's ZeRO-3 Muon, real tensors: calls of steps 2-3 and partitions after 3 steps, per variant."""
+    import contextlib
+
+    from deepspeed.runtime.zero.partition_parameters import AllGatherCoalescedHandle
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    from ds_canzona.bench.collectives import build_engine, count_steps
+    from ds_canzona.bench.fake_engine import deepspeed_zero3_rearranged_at_once
+
+    out = {}
+    for rearranged in (False, True):
+        used = {"wait": 0, "gather": 0}
+        with contextlib.ExitStack() as stack:
+            if rearranged:
+                stack.enter_context(deepspeed_zero3_rearranged_at_once())
+                for owner, name, key in ((AllGatherCoalescedHandle, "wait", "wait"),
+                                         (DeepSpeedZeroOptimizer_Stage3, "_partitioned_buffers_all_gather", "gather")):
+                    replacement = getattr(owner, name)
+
+                    def counted(*args, _replacement=replacement, _key=key, **kwargs):
+                        used[_key] += 1
+                        return _replacement(*args, **kwargs)
+
+                    setattr(owner, name, counted)  # restored by the context's exit, which saved the original
+            # No parameter persistent (the tiny model's are all below DeepSpeed's default threshold),
+            # so every module is fetched and the prefetch coalesces several parameters per fetch.
+            engine = build_engine("deepspeed", 3, WORLD, {"hf_config": TINY}, bucket_numel=BUCKET_NUMEL,
+                                  zero_overrides={"stage3_param_persistence_threshold": 0})
+            steps = count_steps(engine, log, stage=3, steps=3)
+            partitions = [p.ds_tensor.detach().clone() for p in engine.module.parameters()]
+            engine.destroy()
+        out[rearranged] = {"steps": [_signature(calls) for calls, _ in steps], "partitions": partitions, "used": used}
+    return out
 
 
 def count_both(rank: int, world_size: int) -> dict:
@@ -109,11 +166,18 @@ def count_both(rank: int, world_size: int) -> dict:
                                        "buckets": len(engine.optimizer.plan.buckets) if system == "canzona" else None,
                                        "gather_launches": _gather_launches(engine) if system == "canzona" else None,
                                        "norm_sized": [c.payload for c in steps[0][0] if c.kind == "all_reduce"]}
+        out["zero3"] = _zero3_with_and_without_rearranging(log)
     return out
 
 
-def test_counts_match_the_plans_and_fake_tensors_match_real_ones():
+@pytest.fixture(scope="module")
+def counted():
     [out] = run_ranks(count_both, 1, env={"TORCHDYNAMO_DISABLE": "1"}, timeout=600)
+    return out
+
+
+def test_counts_match_the_plans_and_fake_tensors_match_real_ones(counted):
+    out = counted
 
     for system in ("canzona", "deepspeed"):
         real, fake = out[(system, False)], out[(system, True)]
@@ -140,3 +204,117 @@ def test_counts_match_the_plans_and_fake_tensors_match_real_ones():
     # The norm and overflow all-reduces are a few bytes; the rest are the gradients, each once.
     gradients = sum(size for size in deepspeed["norm_sized"] if size > 16)
     assert gradients == deepspeed["expected"]["gradient_all_reduce_payload"]
+
+
+def test_deepspeed_zero3_rearranged_at_once_issues_the_same_calls_and_moves_the_same_values(counted):
+    plain, rearranged = counted["zero3"][False], counted["zero3"][True]
+    assert rearranged["used"]["wait"] > 0 and rearranged["used"]["gather"] > 0, rearranged["used"]
+    assert plain["steps"][0], "no collective recorded"
+    assert rearranged["steps"] == plain["steps"]
+    assert len(rearranged["partitions"]) == len(plain["partitions"])
+    for a, b in zip(rearranged["partitions"], plain["partitions"]):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------- AutoTP
+def count_tp(rank: int, world_size: int) -> dict:
+    import ds_canzona  # noqa: F401  (installs the engine hook)
+    from ds_canzona.bench.collective_log import CollectiveLog
+    from ds_canzona.bench.collectives import build_engine, count_steps, group_labeller, summarise
+    from ds_canzona.bench.fake_engine import fake_tensors
+    from ds_canzona.bench.fake_world import fake_world
+    from deepspeed.utils import groups
+
+    log = CollectiveLog().install()
+    log.label_groups(group_labeller(TP * TP_DP, TP))
+    out = {}
+    with fake_world(0, TP * TP_DP):
+        groups._init_tp_mesh_device(tensor_model_parallel_size=TP)
+        for system, fake in (("canzona", False), ("canzona", True), ("deepspeed", False)):
+            with fake_tensors(enabled=fake):
+                engine = build_engine(system, 2, TP_DP, {"hf_config": TINY}, bucket_numel=BUCKET_NUMEL, tp=TP)
+                [(calls, _)] = count_steps(engine, log, stage=2)
+                local = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+                summary = summarise(calls, stage=2, model_numel=local, param_bytes=2, comm_bytes=2, stated_padding=0)
+                row = {"calls": _signature(calls), "summary": summary, "local_bytes": local * 2}
+                if system == "canzona":
+                    zero = engine.optimizer
+                    row["micro_groups"] = len(zero.tp_plans[zero.rank][1].groups)
+                    row["hosted_here"] = len(zero.hosted_tensors())
+                    row["expected_dp"] = _expected_canzona(engine, TP_DP)
+                    row["dp_rank"] = zero.rank
+                else:
+                    flats = engine.optimizer.bit16_groups_flat
+                    row["flat_gathers"] = (len(flats), sum(f.numel() * f.element_size() for f in flats))
+                engine.destroy()
+            out[(system, fake)] = row
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp_counted():
+    [out] = run_ranks(count_tp, 1, env={"TORCHDYNAMO_DISABLE": "1"}, timeout=600)
+    return out
+
+
+def _calls(row, group=None, phase=None, kind=None):
+    return [c for c in row["calls"] if (group is None or c[6] == group) and (phase is None or c[7] == phase)
+            and (kind is None or c[0] == kind)]
+
+
+def test_tp_counts_the_micro_group_exchanges_and_the_dp_collectives_of_the_plan(tp_counted):
+    canzona = tp_counted[("canzona", False)]
+    assert canzona["dp_rank"] == 0
+    assert canzona["micro_groups"] > 0, "the tiny model's sharded matrices make no micro-group on DP rank 0"
+    exchange = _calls(canzona, "tp", "step")
+    assert [c[0] for c in exchange] == ["all_to_all_single"] * (2 * canzona["micro_groups"])
+    assert all(c[1] == TP and c[2] == 1 for c in exchange)
+
+    over_dp = _calls(canzona, "dp")
+    got: dict[str, list[int]] = {}
+    for kind, size, launches, ops, payload, *_ in over_dp:
+        assert size == TP_DP
+        row = got.setdefault(kind, [0, 0, 0, 0])
+        for i, value in enumerate((1, launches, ops, payload)):
+            row[i] += value
+    assert {kind: tuple(row) for kind, row in got.items()} == canzona["expected_dp"]
+    assert [c[0] for c in _calls(canzona, "world")] == ["all_reduce"]  # the per-item squared norms
+    assert not _calls(canzona, phase="forward", group="dp")
+    assert set(c[6] for c in canzona["calls"]) == {"tp", "dp", "world"}
+
+    by_group = canzona["summary"]["by_group"]
+    assert by_group["tp"]["phases"]["step"]["launches"] == 2 * canzona["micro_groups"]
+    assert sum(row["launches"] for row in by_group.values()) == canzona["summary"]["launches"]
+
+
+def test_tp_fake_tensors_record_the_real_calls_and_autotp_is_the_same_model_for_both(tp_counted):
+    canzona, deepspeed = tp_counted[("canzona", False)], tp_counted[("deepspeed", False)]
+    assert tp_counted[("canzona", True)]["calls"] == canzona["calls"]
+    model = [c for c in canzona["calls"] if c[7] in ("forward", "backward")]
+    assert model and all(c[6] == "tp" for c in model if c[7] == "forward")
+    assert _calls(canzona, "tp", "forward") == _calls(deepspeed, "tp", "forward")
+    assert _calls(canzona, "tp", "backward") == _calls(deepspeed, "tp", "backward")
+
+    count, payload = deepspeed["flat_gathers"]
+    gathers = _calls(deepspeed, "dp", kind="all_gather_into_tensor")
+    assert (len(gathers), sum(c[4] for c in gathers)) == (count, payload)
+    gradients = sum(c[4] for c in _calls(deepspeed, "dp", kind="all_reduce") if c[4] > 16)
+    assert gradients == deepspeed["local_bytes"]  # this rank's slices, each all-reduced once over DP
+
+
+def test_markdown_names_the_tp_columns_and_where_each_cell_was_counted():
+    from ds_canzona.bench.collectives import format_markdown, merge_documents
+
+    def cell(system, tp, launches, tp_model, tp_step, commit):
+        phases = {"forward": {"launches": tp_model, "p2p_ops": tp_model}, "step": {"launches": tp_step, "p2p_ops": 1}}
+        return {"system": system, "stage": 2, "dp": 8, "tp": tp, "launches": launches, "p2p_ops": launches,
+                "sent": 2**20, "padding": 0, "commit": commit,
+                "by_group": {"tp": {"launches": tp_model + tp_step, "p2p_ops": 0, "sent": 0, "phases": phases}}}
+
+    run = {"model": "m", "tensors": "fake", "bucket_numel": 1, "tokens": 8}
+    older = {**run, "cells": [cell("deepspeed", 2, 99, 40, 3, "aaaaaaa")]}
+    newer = {**run, "cells": [cell("canzona", 2, 50, 40, 6, "bbbbbbb"), cell("deepspeed", 2, 60, 40, 3, "ccccccc")]}
+    table = format_markdown(merge_documents([older, newer]))
+    assert "| TP | DP | stage | launches | TP launches: forward + backward | TP launches: step |" in table
+    assert "| 2 | 8 | 2 | 50 / 60 | 40 / 40 | 6 / 3 |" in table  # the later run's DeepSpeed cell replaces the older
+    assert "bbbbbbb: ds_canzona stage 2 TP 2; ccccccc: DeepSpeed Muon stage 2 TP 2." in table

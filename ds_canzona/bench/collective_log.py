@@ -26,6 +26,11 @@ Per call it records, for a group of P ranks:
   segments) sends, in sum, what one ring reduce-scatter of the bucket does; what it costs more is
   P launches of latency, not bytes.
 
+Each call is also labelled with its process group (:meth:`CollectiveLog.label_groups`, a function
+of the group; by default "world" for the default group and "P ranks" for any other) and with the
+phase the caller set (:attr:`CollectiveLog.phase`), so the collectives of a tensor-parallel group
+and of a data-parallel group, or of forward and of the optimizer step, can be told apart.
+
 ``padding`` is not visible in a call (an equal-size collective cannot tell its padding from its
 data): a caller states the bytes of data a block of calls carries with :meth:`CollectiveLog.carrying`,
 and the payload beyond it is recorded as padding.
@@ -57,6 +62,8 @@ class CollectiveCall:
     payload: int
     sent: float
     site: str  # the innermost ds_canzona or DeepSpeed frame that issued it
+    group: str = "world"  # the process group, as :meth:`CollectiveLog.label_groups` names it
+    phase: str = ""  # what the process was doing, as :attr:`CollectiveLog.phase` said ("forward", ...)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -188,6 +195,12 @@ def _site() -> str:
     return fallback or "?"
 
 
+def _default_group_label(group) -> str:
+    if group is None or group is torch.distributed.group.WORLD:
+        return "world"
+    return f"{torch.distributed.get_world_size(group=group)} ranks"
+
+
 class CollectiveLog:
     """Records the collectives issued while :attr:`active`; see the module docstring."""
 
@@ -200,6 +213,10 @@ class CollectiveLog:
         self._coalesced_launched = False
         self._carrying: list[list[int]] = []  # per open block: [stated data, payload recorded in it]
         self._saved: list[tuple[object, str, object]] = []
+        self.phase = ""  # labels the calls recorded from now on
+        self._group_label: Callable[[object], str] = _default_group_label
+        # id(group) -> (group, label), since a label is asked per call; holding the group keeps its id unique
+        self._labels: dict[int, tuple[object, str]] = {}
 
     # ------------------------------------------------------------------ results
     def reset(self) -> None:
@@ -219,6 +236,17 @@ class CollectiveLog:
             if self.active and block[1]:
                 self.carried += block[0]
                 self.padding += max(0, block[1] - block[0])
+
+    def label_groups(self, group_label: Callable[[object], str]) -> None:
+        """Name the process group of each call recorded from now on with ``group_label(group)``."""
+        self._group_label = group_label
+        self._labels.clear()
+
+    def label(self, group) -> str:
+        key = id(group)
+        if key not in self._labels:
+            self._labels[key] = (group, self._group_label(group))
+        return self._labels[key][1]
 
     # ------------------------------------------------------------------ installing
     def install(self) -> CollectiveLog:
@@ -288,7 +316,8 @@ class CollectiveLog:
                     sent = payload - _nbytes(a["input"]) / group_size
                 log.calls.append(CollectiveCall(kind=kind, group_size=group_size, launches=launches,
                                                 p2p_ops=group_size if uneven(a) and group_size > 1 else 1,
-                                                payload=payload, sent=sent, site=_site()))
+                                                payload=payload, sent=sent, site=_site(),
+                                                group=log.label(a.get("group")), phase=log.phase))
                 for block in log._carrying:
                     block[1] += payload
             if fill is not None and group_size > 1 and not any(map(is_fake, _tensors(list(a.values())))):

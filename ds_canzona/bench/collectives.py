@@ -19,6 +19,11 @@ is not gloo, so the runtimes take their NCCL paths. Per cell:
   reduce-scatters (``reduce_scatter_coalesced``) are wrapped with the bytes of their data;
   ds_canzona's broadcasts and reduces carry whole pieces, with no room for padding.
 
+With ``--tp T`` a cell is rank 0 of a world of T x DP ranks with AutoTP (``tensor_parallel.autotp_size``)
+in both configs. Every call is labelled with its process group (``group_labeller``: "tp", "dp", or
+"world" for both) and the phase that issued it (forward, backward, step), and each cell keeps its
+counts per group and phase (``by_group``) and the commit of the code that counted it.
+
 ``--real`` builds the model with real storage: every rank of a stage-1/2 world holds the whole model,
 so only models that fit in this machine's memory run that way. By default the engines run under
 torch's ``FakeTensorMode`` (see ``fake_engine``), which allocates nothing, so Qwen3-8B and 32B run
@@ -33,7 +38,7 @@ import json
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..cli import Command
@@ -73,6 +78,9 @@ class CellResult:
     padding: int
     by_kind: dict[str, dict[str, int]]
     seconds: float
+    tp: int = 1
+    # per process group ("dp", "tp", "world"): launches, NCCL operations, bytes sent, and per phase
+    by_group: dict[str, dict[str, Any]] = field(default_factory=dict)
     unavailable: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -105,7 +113,7 @@ def _build_model(config: dict[str, Any]):
     return AutoModelForCausalLM.from_config(hf, dtype=torch.bfloat16)
 
 
-def engine_config(system: System, stage: int, dp: int, bucket_numel: int) -> dict[str, Any]:
+def engine_config(system: System, stage: int, dp: int, bucket_numel: int, tp: int = 1) -> dict[str, Any]:
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -121,6 +129,12 @@ def engine_config(system: System, stage: int, dp: int, bucket_numel: int) -> dic
     if stage == 3:
         # DeepSpeed's ZeRO-3 Muon refuses reduce_scatter; ds_canzona takes the same config.
         config["zero_optimization"]["reduce_scatter"] = False
+    if tp > 1:
+        # AutoTP shards the model at deepspeed.initialize over a (DP, TP) mesh, TP innermost; for
+        # DeepSpeed's own Muon each rank then orthogonalises its TP shard of a matrix.
+        config["tensor_parallel"] = {"autotp_size": tp}
+        # DeepSpeed's batch check reads the whole world at this point: let it derive the batch.
+        del config["train_batch_size"]
     if system.runtime == "canzona":
         config["canzona"] = {"log_plan": False, "kernels": "torch"}
     return config
@@ -171,7 +185,24 @@ _REDUCE_KINDS = ("reduce_scatter", "reduce_scatter_tensor", "reduce")
 _GATHER_KINDS = ("all_gather", "all_gather_into_tensor", "broadcast")
 
 
+def _by_group(calls) -> dict[str, dict[str, Any]]:
+    """Launches, NCCL operations and bytes sent per process group, and launches and operations per phase."""
+    groups: dict[str, dict[str, Any]] = {}
+    for call in calls:
+        row = groups.setdefault(call.group, {"launches": 0, "p2p_ops": 0, "sent": 0.0, "phases": {}})
+        row["launches"] += call.launches
+        row["p2p_ops"] += call.p2p_ops
+        row["sent"] += call.sent
+        phase = row["phases"].setdefault(call.phase, {"launches": 0, "p2p_ops": 0})
+        phase["launches"] += call.launches
+        phase["p2p_ops"] += call.p2p_ops
+    for row in groups.values():
+        row["sent"] = int(round(row["sent"]))
+    return groups
+
+
 def summarise(calls, *, stage: int, model_numel: int, param_bytes: int, comm_bytes: int, stated_padding: int) -> dict[str, Any]:
+    """Totals of one step's calls. ``model_numel``: this rank's trainable elements (its TP slices under AutoTP)."""
     by_kind: dict[str, dict[str, int]] = {}
     for call in calls:
         row = by_kind.setdefault(call.kind, {"calls": 0, "launches": 0, "p2p_ops": 0, "payload": 0, "sent": 0})
@@ -183,22 +214,68 @@ def summarise(calls, *, stage: int, model_numel: int, param_bytes: int, comm_byt
     for row in by_kind.values():
         row["sent"] = int(round(row["sent"]))
     if stage in (1, 2):
-        reduced = sum(by_kind.get(k, {}).get("payload", 0) for k in _REDUCE_KINDS)
-        gathered = sum(by_kind.get(k, {}).get("payload", 0) for k in _GATHER_KINDS)
+        # Gradients are reduced and parameters gathered over data parallelism only.
+        over_dp = [call for call in calls if call.group == "dp"]
+        reduced = sum(call.payload for call in over_dp if call.kind in _REDUCE_KINDS)
+        gathered = sum(call.payload for call in over_dp if call.kind in _GATHER_KINDS)
         padding = max(0, reduced - model_numel * comm_bytes) + max(0, gathered - model_numel * param_bytes)
     else:
         padding = stated_padding
     return {"launches": sum(c.launches for c in calls), "p2p_ops": sum(c.p2p_ops for c in calls),
-            "sent": int(round(sum(c.sent for c in calls))), "padding": int(padding), "by_kind": by_kind}
+            "sent": int(round(sum(c.sent for c in calls))), "padding": int(padding), "by_kind": by_kind,
+            "by_group": _by_group(calls)}
 
 
-def build_engine(system_key: str, stage: int, dp: int, source: dict[str, Any], *, bucket_numel: int):
-    """The DeepSpeed engine of one cell, in the current fake world (and fake tensor mode, if on)."""
+def build_engine(system_key: str, stage: int, dp: int, source: dict[str, Any], *, bucket_numel: int, tp: int = 1,
+                 zero_overrides: dict[str, Any] | None = None):
+    """The DeepSpeed engine of one cell, in the current fake world (and fake tensor mode, if on).
+
+    ``zero_overrides``: keys of ``zero_optimization`` to set on top of the cell's (tests use it).
+    """
     import deepspeed
 
     model = _build_model(model_config(source))
-    engine, *_ = deepspeed.initialize(model=model, config=engine_config(SYSTEMS[system_key], stage, dp, bucket_numel))
+    config = engine_config(SYSTEMS[system_key], stage, dp, bucket_numel, tp)
+    config["zero_optimization"].update(zero_overrides or {})
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    if getattr(engine, "first_dataloader_check", None) is not None:
+        # AutoTP's check that the TP ranks got the same batch runs in the first forward only (not
+        # counted) and all-reduces a flag it expects to sum to TP: stand-in collectives do not sum.
+        engine.first_dataloader_check.remove()
+        engine.first_dataloader_check = None
     return engine
+
+
+@contextlib.contextmanager
+def _vocab_shards_as_this_rank() -> Iterator[None]:
+    """DeepSpeed's vocabulary-parallel loss checks its shard bounds with the same all-gather, then trusts them.
+
+    The check reads every TP rank's (start, end, size) from an all-gather; on the fake world every
+    slot holds this rank's, which is no partition of the vocabulary. The collective is issued
+    as before (same size, same group) and the vocabulary is taken to be TP equal shards of this
+    rank's size: what AutoTP cuts from Qwen3's vocabularies (151,936 = 8 x 18,992) and the tiny config's.
+    """
+    import torch
+
+    import deepspeed.comm as dist
+    import deepspeed.sequence.cross_entropy as cross_entropy
+
+    original = cross_entropy._validate_vocab_shard_bounds
+
+    def validate(local_vocab_size, vocab_start_index, vocab_end_index, tp_group, device):
+        tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+        if tp == 1:
+            return original(local_vocab_size, vocab_start_index, vocab_end_index, tp_group, device)
+        bounds = torch.tensor([vocab_start_index, vocab_end_index, local_vocab_size], dtype=torch.long, device=device)
+        gathered = torch.empty(tp * bounds.numel(), dtype=bounds.dtype, device=device)
+        dist.all_gather_into_tensor(gathered, bounds, group=tp_group)
+        return tp * local_vocab_size
+
+    cross_entropy._validate_vocab_shard_bounds = validate
+    try:
+        yield
+    finally:
+        cross_entropy._validate_vocab_shard_bounds = original
 
 
 def count_steps(engine, log, *, stage: int, steps: int = 2) -> list[list]:
@@ -211,21 +288,25 @@ def count_steps(engine, log, *, stage: int, steps: int = 2) -> list[list]:
     system_is_deepspeed = not hasattr(engine.optimizer, "plan")
     data_stated = (_deepspeed_zero3_data_stated(engine, log) if system_is_deepspeed and stage == 3
                    else contextlib.nullcontext())
-    with data_stated:
+    with data_stated, _vocab_shards_as_this_rank():
         for step in range(steps):
             log.reset()
             log.active = step > 0  # the first step warms up (state allocation, DeepSpeed's ZeRO-3 trace)
+            log.phase = "forward"
             loss = engine(input_ids=tokens, labels=tokens).loss
+            log.phase = "backward"
             engine.backward(loss)
+            log.phase = "step"
             engine.step()
             log.active = False
+            log.phase = ""
             if step > 0:
                 recorded.append((list(log.calls), log.padding))
     return recorded
 
 
 def run_cell(system_key: str, stage: int, dp: int, source: dict[str, Any], *, bucket_numel: int, log,
-             fake: bool) -> CellResult:
+             fake: bool, tp: int = 1) -> CellResult:
     """Build the engine of one cell in the current fake world, take two steps, summarise the second."""
     from ds_canzona.config import CanzonaConfigError
 
@@ -234,9 +315,9 @@ def run_cell(system_key: str, stage: int, dp: int, source: dict[str, Any], *, bu
     started = time.perf_counter()
     with fake_tensors(enabled=fake):
         try:
-            engine = build_engine(system_key, stage, dp, source, bucket_numel=bucket_numel)
+            engine = build_engine(system_key, stage, dp, source, bucket_numel=bucket_numel, tp=tp)
         except CanzonaConfigError as error:
-            return CellResult(system=system_key, stage=stage, dp=dp, launches=0, p2p_ops=0, sent=0, padding=0,
+            return CellResult(system=system_key, stage=stage, dp=dp, tp=tp, launches=0, p2p_ops=0, sent=0, padding=0,
                               by_kind={}, seconds=time.perf_counter() - started, unavailable=str(error))
         [(calls, padding)] = count_steps(engine, log, stage=stage)
         numel, param_bytes = _model_bytes(engine)
@@ -244,12 +325,29 @@ def run_cell(system_key: str, stage: int, dp: int, source: dict[str, Any], *, bu
                             comm_bytes=_communication_bytes(engine), stated_padding=padding)
         if hasattr(engine, "destroy"):
             engine.destroy()
-    return CellResult(system=system_key, stage=stage, dp=dp, seconds=time.perf_counter() - started, **summary)
+    return CellResult(system=system_key, stage=stage, dp=dp, tp=tp, seconds=time.perf_counter() - started, **summary)
+
+
+def group_labeller(world_size: int, tp: int):
+    """Names a process group of a (DP, TP) mesh with TP innermost: "tp", "dp", "world" (both), or its size."""
+    import torch.distributed as tdist
+
+    def label(group) -> str:
+        ranks = list(range(world_size)) if group is None else tdist.get_process_group_ranks(group)
+        if len(ranks) == world_size:
+            return "dp" if tp == 1 else "world"
+        if len(ranks) == tp and ranks == list(range(ranks[0], ranks[0] + tp)):
+            return "tp"
+        if len(ranks) == world_size // tp and ranks == list(range(ranks[0], world_size, tp)):
+            return "dp"
+        return f"{len(ranks)} ranks"
+
+    return label
 
 
 def run_world(rank: int, world_size: int, cells: list[tuple[str, int]], source: dict[str, Any], bucket_numel: int,
-              fake: bool) -> list[dict[str, Any]]:
-    """Every (system, stage) of ``cells`` at DP ``world_size``, in this (fresh) process as rank 0."""
+              fake: bool, tp: int = 1) -> list[dict[str, Any]]:
+    """Every (system, stage) of ``cells`` at DP ``world_size // tp`` x TP ``tp``, in this (fresh) process as rank 0."""
     import logging
 
     import ds_canzona  # noqa: F401  (installs the engine hook)
@@ -258,16 +356,39 @@ def run_world(rank: int, world_size: int, cells: list[tuple[str, int]], source: 
 
     for name in ("DeepSpeed", "deepspeed", "ds_canzona"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    if world_size % tp:
+        raise ValueError(f"a world of {world_size} ranks has no TP={tp} mesh")
     log = CollectiveLog().install()  # before deepspeed.comm starts: its backend keeps references
+    log.label_groups(group_labeller(world_size, tp))
     with fake_world(0, world_size):
-        return [run_cell(system, stage, world_size, source, bucket_numel=bucket_numel, log=log, fake=fake).to_dict()
+        if tp > 1:
+            # DeepSpeed builds its (DP, TP) mesh once per process, from an arange of the ranks: made
+            # here with real tensors (under FakeTensorMode every rank in it would read as 0).
+            from deepspeed.utils import groups
+            groups._init_tp_mesh_device(tensor_model_parallel_size=tp)
+        return [_cell_or_failure(system, stage, world_size // tp, source, bucket_numel=bucket_numel, log=log,
+                                 fake=fake, tp=tp).to_dict()
                 for system, stage in cells]
+
+
+def _cell_or_failure(system_key: str, stage: int, dp: int, source, *, tp: int, **kwargs) -> CellResult:
+    """``run_cell``, or a cell that says why it failed (traceback on stderr), so the world's other cells still count."""
+    import traceback
+
+    started = time.perf_counter()
+    try:
+        return run_cell(system_key, stage, dp, source, tp=tp, **kwargs)
+    except Exception as error:  # noqa: BLE001  (any failure of a third-party engine is reported, not hidden)
+        traceback.print_exc(file=sys.stderr)
+        reason = f"failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+        return CellResult(system=system_key, stage=stage, dp=dp, tp=tp, launches=0, p2p_ops=0, sent=0, padding=0,
+                          by_kind={}, seconds=time.perf_counter() - started, unavailable=reason)
 
 
 # --------------------------------------------------------------------------- parent side
 def run_collectives(args: argparse.Namespace) -> int:
     if args.from_json:
-        document = merge_documents([json.loads(open(path).read()) for path in args.from_json.split(",")])
+        document = merge_documents([_read_run(path) for path in args.from_json.split(",")])
     else:
         document = _count(args)
     if args.json:
@@ -294,34 +415,72 @@ def _count(args: argparse.Namespace) -> dict[str, Any]:
         unknown = [f"{system}:{stage}" for system, stage in cells if system not in SYSTEMS]
         if unknown:
             raise ValueError(f"unknown --cells {', '.join(unknown)}: systems are {', '.join(SYSTEMS)}")
+    commit = _source_commit()  # before counting: the worlds import the code as it is when they start
     results = []
-    for dp in args.dp:
-        started = time.perf_counter()
-        results += _one_world(run_ranks, dp, cells, source, args)
-        print(f"  DP {dp}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    for tp in args.tp:
+        for dp in args.dp:
+            started = time.perf_counter()
+            results += _one_world(run_ranks, dp, tp, cells, source, args)
+            print(f"  TP {tp} x DP {dp}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
     return {"model": name, "tensors": "real" if args.real else "fake (FakeTensorMode)",
-            "bucket_numel": args.bucket_numel, "tokens": TOKENS, "cells": results}
+            "bucket_numel": args.bucket_numel, "tokens": TOKENS, "commit": commit,
+            "cells": [{**cell, "commit": commit} for cell in results]}
+
+
+def _source_commit() -> str:
+    """The commit of the code that counted (short hash, "+changes" if ds_canzona/ differs from it), or "?"."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=root, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--", "ds_canzona"], cwd=root, capture_output=True,
+                                 text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+    return commit + ("+changes" if changed else "")
+
+
+def _read_run(path: str) -> dict[str, Any]:
+    """An earlier --json run; runs written before cells carried their commit take it from the file name."""
+    import re
+
+    document = json.loads(open(path).read())
+    named = re.search(r"-([0-9a-f]{7})\.json$", path)
+    commit = document.get("commit") or (named.group(1) if named else "?")
+    return {**document, "cells": [{"commit": commit, **cell} for cell in document["cells"]]}
 
 
 def merge_documents(documents: list[dict[str, Any]]) -> dict[str, Any]:
-    """Several runs of one model and setting (say one per DP range) as one document."""
+    """Several runs of one model and setting (say one per DP range) as one document.
+
+    A (system, stage, TP, DP) cell counted in more than one run is kept from the last run given.
+    """
     first = documents[0]
     for other in documents[1:]:
         for key in ("model", "tensors", "bucket_numel", "tokens"):
             if other[key] != first[key]:
                 raise ValueError(f"--from-json: the runs differ in {key} ({first[key]!r} vs {other[key]!r})")
-    return {**first, "cells": [cell for document in documents for cell in document["cells"]]}
+    cells: dict[tuple, dict[str, Any]] = {}
+    for document in documents:
+        for cell in document["cells"]:
+            cells[(cell["system"], cell["stage"], cell.get("tp", 1), cell["dp"])] = cell
+    merged = {**first, "cells": list(cells.values())}
+    merged.pop("commit", None)  # each cell carries its own
+    return merged
 
 
-def _one_world(run_ranks, dp: int, cells, source, args) -> list[dict[str, Any]]:
-    # One fresh process per world size: DeepSpeed keeps its groups for the rest of a process.
+def _one_world(run_ranks, dp: int, tp: int, cells, source, args) -> list[dict[str, Any]]:
+    # One fresh process per world: DeepSpeed keeps its groups (and its TP mesh) for the rest of a process.
     # DeepSpeed's Muon wraps its update in torch.compile, which would trace fake tensors; it changes no collective.
-    return run_ranks(_world_entry, 1, dp, cells, source, args.bucket_numel, not args.real, timeout=args.timeout,
-                     env={"TORCHDYNAMO_DISABLE": "1"})[0]
+    return run_ranks(_world_entry, 1, dp * tp, tp, cells, source, args.bucket_numel, not args.real,
+                     timeout=args.timeout, env={"TORCHDYNAMO_DISABLE": "1"})[0]
 
 
-def _world_entry(rank: int, world_size: int, dp: int, cells, source, bucket_numel: int, fake: bool):
-    return run_world(rank, dp, cells, source, bucket_numel, fake)
+def _world_entry(rank: int, world_size: int, world: int, tp: int, cells, source, bucket_numel: int, fake: bool):
+    return run_world(rank, world, cells, source, bucket_numel, fake, tp=tp)
 
 
 def _mib(nbytes: int) -> str:
@@ -334,40 +493,84 @@ def _title(document: dict[str, Any]) -> str:
 
 
 def _sorted_cells(document: dict[str, Any]) -> list[dict[str, Any]]:
-    return sorted(document["cells"], key=lambda c: (c["dp"], c["stage"], list(SYSTEMS).index(c["system"])))
+    return sorted(document["cells"], key=lambda c: (c.get("tp", 1), c["dp"], c["stage"],
+                                                    list(SYSTEMS).index(c["system"])))
+
+
+def _group_launches(cell: dict[str, Any]) -> str:
+    """Launches per process group, the TP group's split into the model's (forward, backward) and the step's."""
+    parts = []
+    for group, row in sorted(cell.get("by_group", {}).items()):
+        if group == "tp":
+            step = row["phases"].get("step", {}).get("launches", 0)
+            parts.append(f"tp {row['launches'] - step}+{step}")
+        else:
+            parts.append(f"{group} {row['launches']}")
+    return ", ".join(parts)
 
 
 def format_table(document: dict[str, Any]) -> str:
-    lines = [_title(document), f"{'DP':>5} {'stage':>5}  {'system':<16} {'launches':>9} {'p2p ops':>9} "
-             f"{'sent MiB/rank':>14} {'padding MiB':>12}"]
+    lines = [_title(document), f"{'TP':>3} {'DP':>5} {'stage':>5}  {'system':<16} {'launches':>9} {'p2p ops':>9} "
+             f"{'sent MiB/rank':>14} {'padding MiB':>12}  launches by group (tp: model+step)"]
     for cell in _sorted_cells(document):
         label = SYSTEMS[cell["system"]].label
+        head = f"{cell.get('tp', 1):>3} {cell['dp']:>5} {cell['stage']:>5}  {label:<16}"
         if cell.get("unavailable"):
-            lines.append(f"{cell['dp']:>5} {cell['stage']:>5}  {label:<16} not available: {cell['unavailable']}")
+            lines.append(f"{head} not available: {cell['unavailable']}")
             continue
-        lines.append(f"{cell['dp']:>5} {cell['stage']:>5}  {label:<16} {cell['launches']:>9,} {cell['p2p_ops']:>9,} "
-                     f"{_mib(cell['sent']):>14} {_mib(cell['padding']):>12}")
+        lines.append(f"{head} {cell['launches']:>9,} {cell['p2p_ops']:>9,} "
+                     f"{_mib(cell['sent']):>14} {_mib(cell['padding']):>12}  {_group_launches(cell)}")
     return "\n".join(lines)
+
+
+def _tp_launches(cell: dict[str, Any], phases: tuple[str, ...]) -> int:
+    return sum(cell.get("by_group", {}).get("tp", {}).get("phases", {}).get(p, {}).get("launches", 0) for p in phases)
 
 
 def format_markdown(document: dict[str, Any]) -> str:
-    """One row per (DP, stage): ds_canzona against DeepSpeed side by side, "-" where a cell did not run."""
-    rows: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
+    """One row per (TP, DP, stage): ds_canzona against DeepSpeed side by side, "-" where a cell did not run.
+
+    With TP above 1 two columns more: the launches on the TP group in forward and backward (AutoTP's
+    own all-reduces, the model's) and in the optimizer step.
+    """
+    rows: dict[tuple[int, int, int], dict[str, dict[str, Any]]] = {}
     for cell in _sorted_cells(document):
-        rows.setdefault((cell["dp"], cell["stage"]), {})[cell["system"]] = cell
+        rows.setdefault((cell.get("tp", 1), cell["dp"], cell["stage"]), {})[cell["system"]] = cell
+    with_tp = any(tp > 1 for tp, _, _ in rows)
 
-    def pair(row, key, show) -> str:
-        return " / ".join("-" if row.get(s) is None or row[s].get("unavailable") else show(row[s][key])
-                          for s in SYSTEMS)
+    def pair(row, show) -> str:
+        return " / ".join("-" if row.get(s) is None or row[s].get("unavailable") else show(row[s]) for s in SYSTEMS)
 
+    def count(key):
+        return lambda cell: f"{cell[key]:,}"
+
+    columns = [("launches", count("launches"))]
+    if with_tp:
+        columns += [("TP launches: forward + backward", lambda c: f"{_tp_launches(c, ('forward', 'backward')):,}"),
+                    ("TP launches: step", lambda c: f"{_tp_launches(c, ('step',)):,}")]
+    columns += [("NCCL ops", count("p2p_ops")), ("sent MiB per rank", lambda c: _mib(c["sent"])),
+                ("padding MiB", lambda c: _mib(c["padding"]))]
+    keys = (["TP"] if with_tp else []) + ["DP", "stage"]
     lines = [f"*{_title(document)}; each cell: ds_canzona / DeepSpeed*", "",
-             "| DP | stage | launches | NCCL ops | sent MiB per rank | padding MiB |",
-             "|---:|---:|---:|---:|---:|---:|"]
-    for (dp, stage), row in rows.items():
-        lines.append(f"| {dp} | {stage} | {pair(row, 'launches', '{:,}'.format)} | "
-                     f"{pair(row, 'p2p_ops', '{:,}'.format)} | {pair(row, 'sent', _mib)} | "
-                     f"{pair(row, 'padding', _mib)} |")
-    return "\n".join(lines)
+             "| " + " | ".join(keys + [name for name, _ in columns]) + " |",
+             "|" + "---:|" * (len(keys) + len(columns))]
+    for (tp, dp, stage), row in rows.items():
+        lead = ([str(tp)] if with_tp else []) + [str(dp), str(stage)]
+        lines.append("| " + " | ".join(lead + [pair(row, show) for _, show in columns]) + " |")
+    return "\n".join(lines + ["", _provenance(document)])
+
+
+def _provenance(document: dict[str, Any]) -> str:
+    """Which code counted which cells: every cell is a run of the whole model, at the commit named."""
+    where: dict[str, list[str]] = {}
+    for cell in _sorted_cells(document):
+        label = f"{SYSTEMS[cell['system']].label} stage {cell['stage']}" + (f" TP {cell['tp']}" if cell.get("tp", 1) > 1
+                                                                              else "")
+        commit = cell.get("commit", document.get("commit", "?"))
+        if label not in where.setdefault(commit, []):
+            where[commit].append(label)
+    return "Counted (every cell a run of the whole model, all layers) at: " + "; ".join(
+        f"{commit}: {', '.join(labels)}" for commit, labels in where.items()) + "."
 
 
 def _positive_list(text: str) -> tuple[int, ...]:
@@ -388,6 +591,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=None, metavar="L", help="override num_hidden_layers")
     parser.add_argument("--dp", type=_positive_list, default=DEFAULT_DP, metavar="R,R,...",
                         help="data-parallel sizes (default 8,64,256,1024)")
+    parser.add_argument("--tp", type=_positive_list, default=(1,), metavar="T,T,...",
+                        help="AutoTP sizes (default 1); a cell's world is TP x DP ranks")
     parser.add_argument("--stages", type=_positive_list, default=(1, 2, 3), metavar="S,S", help="ZeRO stages")
     parser.add_argument("--systems", type=lambda t: tuple(t.split(",")), default=tuple(SYSTEMS),
                         metavar="NAME,NAME", help=f"of {', '.join(SYSTEMS)}")
