@@ -1,4 +1,4 @@
-"""ds_canzona: atomic, load-balanced matrix optimizers (Muon, Shampoo, SOAP) for DeepSpeed ZeRO.
+"""ds_canzona: atomic, load-balanced matrix optimizers (Muon, NorMuon, AdaMuon, Shampoo, SOAP) for DeepSpeed ZeRO.
 
 ``import ds_canzona`` registers the DeepSpeed engine hook (``ds_canzona.zero.hook``), so that a
 config with a ``canzona`` section builds ds_canzona's ZeRO-1/2 optimizer, and lets DeepSpeed's

@@ -104,7 +104,7 @@ REFUSED = [
     ("adam amsgrad", {"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "amsgrad": True}}}, {}, {}, "amsgrad"),
     ("zero++ nontrainable weights", {}, {"zero_quantized_nontrainable_weights": True}, {},
      "zero_quantized_nontrainable_weights"),
-    ("optimizer type", {"optimizer": {"type": "Lamb", "params": {"lr": 0.01}}}, {}, {}, "optimizer types Muon, Shampoo, SOAP and AdamW"),
+    ("optimizer type", {"optimizer": {"type": "Lamb", "params": {"lr": 0.01}}}, {}, {}, "optimizer types Muon, NorMuon, AdaMuon, Shampoo, SOAP and AdamW"),
 ]
 
 # Read by DeepSpeed's own ZeRO-1/2 for its communication schedule; no numeric effect here.

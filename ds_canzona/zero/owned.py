@@ -36,7 +36,7 @@ def parameter_groups(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, dic
     for group in optimizer.param_groups:
         if "kind" not in group:
             raise ValueError("ds_canzona's ZeRO optimizer needs param groups with a 'kind' "
-                             "(use ds_canzona.optim.Muon, Shampoo, SOAP or AdamW)")
+                             "(use ds_canzona.optim.Muon, NorMuon, AdaMuon, Shampoo, SOAP or AdamW)")
         for p in group["params"]:
             groups[p] = group
     return groups

@@ -78,11 +78,11 @@ def _check_stage_and_optimizer(engine) -> None:
     name = engine.optimizer_name()
     if engine.client_optimizer is None and name is None:
         raise CanzonaConfigError(
-            "the 'canzona' section needs an optimizer: add an 'optimizer' section with type Muon, Shampoo, SOAP or "
-            "AdamW, or pass a ds_canzona.optim optimizer as deepspeed.initialize(optimizer=...)")
+            "the 'canzona' section needs an optimizer: add an 'optimizer' section with type Muon, NorMuon, AdaMuon, "
+            "Shampoo, SOAP or AdamW, or pass a ds_canzona.optim optimizer as deepspeed.initialize(optimizer=...)")
     supported = {*MATRIX_OPTIMIZERS, "adamw", "adam"}
     if engine.client_optimizer is None and name.lower() not in supported:
-        raise CanzonaConfigError(f"the 'canzona' section supports optimizer types Muon, Shampoo, SOAP and AdamW, "
+        raise CanzonaConfigError(f"the 'canzona' section supports optimizer types Muon, NorMuon, AdaMuon, Shampoo, SOAP and AdamW, "
                                  f"got optimizer.type {name!r}")
 
 
