@@ -16,6 +16,31 @@ See docs/KERNELS.md for the contracts and the tolerances.
 
 from __future__ import annotations
 
+import sys as _sys
+
+if __name__ == "kernels":
+    # This folder is installed as ds_canzona.kernels. It is imported as a top-level `kernels` only
+    # when the checkout's root is on sys.path (`python -m ...` or `python -m pytest` run from the
+    # root), and there it would shadow HuggingFace's `kernels` package, which transformers imports
+    # when it is installed. Hand the name to that package; the rest of this file then runs in a
+    # module nobody keeps.
+    def _import_shadowed(name: str) -> object:
+        import importlib.machinery
+        import importlib.util
+        import os
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        others = [p for p in _sys.path if os.path.abspath(p or os.curdir) != root]
+        spec = importlib.machinery.PathFinder.find_spec(name, others)
+        if spec is None:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        module = importlib.util.module_from_spec(spec)
+        _sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+
+    _import_shadowed("kernels")
+
 import torch
 
 from ds_canzona.kernels._common import TRITON_AVAILABLE, TileConfig

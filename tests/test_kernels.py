@@ -239,3 +239,29 @@ def test_bench_without_a_gpu_says_so_and_exits_zero(capsys: pytest.CaptureFixtur
     assert {r["op"] for r in data["rows"]} == {"xxt", "ns_step"} and all(r["torch_ms"] > 0 for r in data["rows"])
     with pytest.raises(SystemExit):
         main(["--ops", "gemm"])
+
+
+def test_the_checkout_root_on_sys_path_leaves_huggingfaces_kernels_package_its_name():
+    """Run from the checkout's root (``python -m pytest``, ``python -m ds_canzona.bench``) the
+    folder ``kernels/`` is on sys.path as a top-level package; transformers imports HuggingFace's
+    ``kernels`` when that is installed, and must get it, not ours."""
+    import importlib.metadata
+    import pathlib
+    import subprocess
+    import sys
+
+    try:
+        importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("HuggingFace's kernels package is not installed")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    probe = (
+        "import kernels, ds_canzona.kernels as ours, pathlib;"
+        "print(pathlib.Path(kernels.__file__).resolve().parent, pathlib.Path(ours.__file__).resolve().parent);"
+        "from kernels import Device"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    theirs, ours = done.stdout.split()
+    assert pathlib.Path(theirs) != root / "kernels"
+    assert pathlib.Path(ours) == root / "kernels"
