@@ -21,7 +21,10 @@ What each count must be is derived from the engine, not from the recorder:
 The fake-tensor run must record exactly what the real one does, call for call, and step 3 exactly
 what step 2 did (the counted step is a steady state).
 
-The same process then runs DeepSpeed's ZeRO-3 Muon engine with real tensors twice, with and without
+The same process then runs DeepSpeed's ZeRO-3 Muon engine and ds_canzona's ZeRO-3 under one config:
+DeepSpeed's parameter coordinator issues every module fetch of both, so the fetch launches of
+forward and of backward must be the same for both, and ds_canzona may add nothing else to forward.
+It runs DeepSpeed's ZeRO-3 Muon engine with real tensors twice, with and without
 ``fake_engine.deepspeed_zero3_rearranged_at_once`` (the replacements of its per-rank copy loops that
 make DP 256 and 1024 finish): the calls recorded must be the same, call for call, and the parameter
 partitions after three steps the same to the bit (the replacements move the same elements).
@@ -51,6 +54,12 @@ TP = 2
 TP_DP = 2
 TINY = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "qwen3-tiny.json")
 BUCKET_NUMEL = 4000  # a few buckets on the tiny model
+# No parameter persistent (the tiny model's are all below DeepSpeed's default threshold), none kept
+# for reuse, and a prefetch of a few parameters (the default reaches across the whole tiny model,
+# and a parameter whose next use was prefetched is kept), so every module is fetched in forward and
+# again in backward, and a prefetch still coalesces several parameters.
+ZERO3_EVERY_MODULE_FETCHED = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+                              "stage3_prefetch_bucket_size": 2000}
 
 
 def _expected_canzona(engine, dp: int = WORLD) -> dict:
@@ -102,7 +111,7 @@ def _expected_deepspeed(engine) -> dict:
 
 
 def _signature(calls) -> list[tuple]:
-    return [(c.kind, c.group_size, c.launches, c.p2p_ops, c.payload, c.sent, c.group, c.phase) for c in calls]
+    return [(c.kind, c.group_size, c.launches, c.p2p_ops, c.payload, c.sent, c.group, c.phase, c.fetch) for c in calls]
 
 
 def _zero3_with_and_without_rearranging(log) -> dict:
@@ -130,10 +139,8 @@ def _zero3_with_and_without_rearranging(log) -> dict:
                         return _replacement(*args, **kwargs)
 
                     setattr(owner, name, counted)  # restored by the context's exit, which saved the original
-            # No parameter persistent (the tiny model's are all below DeepSpeed's default threshold),
-            # so every module is fetched and the prefetch coalesces several parameters per fetch.
             engine = build_engine("deepspeed", 3, WORLD, {"hf_config": TINY}, bucket_numel=BUCKET_NUMEL,
-                                  zero_overrides={"stage3_param_persistence_threshold": 0})
+                                  zero_overrides=ZERO3_EVERY_MODULE_FETCHED)
             steps = count_steps(engine, log, stage=3, steps=3)
             partitions = [p.ds_tensor.detach().clone() for p in engine.module.parameters()]
             engine.destroy()
@@ -167,6 +174,16 @@ def count_both(rank: int, world_size: int) -> dict:
                                        "gather_launches": _gather_launches(engine) if system == "canzona" else None,
                                        "norm_sized": [c.payload for c in steps[0][0] if c.kind == "all_reduce"]}
         out["zero3"] = _zero3_with_and_without_rearranging(log)
+        # Both systems' ZeRO-3 under one config, for the launches of the fetches: with the prefetch
+        # above, and without prefetching (then every module is fetched again in backward too).
+        for prefetch in (ZERO3_EVERY_MODULE_FETCHED["stage3_prefetch_bucket_size"], 0):
+            for system in ("canzona", "deepspeed"):
+                engine = build_engine(system, 3, WORLD, {"hf_config": TINY}, bucket_numel=BUCKET_NUMEL,
+                                      zero_overrides={**ZERO3_EVERY_MODULE_FETCHED,
+                                                      "stage3_prefetch_bucket_size": prefetch})
+                [(calls, _)] = count_steps(engine, log, stage=3, steps=2)
+                out[("zero3 fetches", system, prefetch)] = _signature(calls)
+                engine.destroy()
     return out
 
 
@@ -318,3 +335,23 @@ def test_markdown_names_the_tp_columns_and_where_each_cell_was_counted():
     assert "| TP | DP | stage | launches | TP launches: forward + backward | TP launches: step |" in table
     assert "| 2 | 8 | 2 | 50 / 60 | 40 / 40 | 6 / 3 |" in table  # the later run's DeepSpeed cell replaces the older
     assert "bbbbbbb: ds_canzona stage 2 TP 2; ccccccc: DeepSpeed Muon stage 2 TP 2." in table
+
+
+def test_zero3_fetch_launches_are_the_coordinators_and_the_same_for_both_systems(counted):
+    """Under one config DeepSpeed's coordinator decides every fetch, for both: equal fetch launches per phase."""
+
+    def launches(calls, phase, fetch):
+        return sum(c[2] for c in calls if c[7] == phase and c[8] == fetch)
+
+    for prefetch in (ZERO3_EVERY_MODULE_FETCHED["stage3_prefetch_bucket_size"], 0):
+        ours, theirs = (counted[("zero3 fetches", system, prefetch)] for system in ("canzona", "deepspeed"))
+        for phase in ("forward", "backward", "step"):
+            assert launches(ours, phase, True) == launches(theirs, phase, True), (prefetch, phase)
+        assert launches(ours, "forward", True) > 0
+        assert launches(ours, "forward", False) == 0  # forward communicates only to fetch
+        # ds_canzona's own launches: its gradient buckets in backward, the norm (and nothing else) in the step.
+        assert launches(ours, "backward", False) > 0
+        assert [c[0] for c in ours if c[7] == "step"] == ["all_reduce"]
+    # Without prefetching every module is fetched again in backward (with it, the prefetch of the
+    # last forward modules reaches across the tiny model's backward, and nothing is released).
+    assert launches(counted[("zero3 fetches", "canzona", 0)], "backward", True) > 0

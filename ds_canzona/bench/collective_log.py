@@ -29,7 +29,10 @@ Per call it records, for a group of P ranks:
 Each call is also labelled with its process group (:meth:`CollectiveLog.label_groups`, a function
 of the group; by default "world" for the default group and "P ranks" for any other) and with the
 phase the caller set (:attr:`CollectiveLog.phase`), so the collectives of a tensor-parallel group
-and of a data-parallel group, or of forward and of the optimizer step, can be told apart.
+and of a data-parallel group, or of forward and of the optimizer step, can be told apart. A call
+issued from inside DeepSpeed's ZeRO-3 parameter coordinator (its module fetches and prefetches,
+whichever runtime's parameters answer them) is marked ``fetch``: the coordinator decides when to
+fetch and how much, so those launches are the same for every runtime under one config.
 
 ``padding`` is not visible in a call (an equal-size collective cannot tell its padding from its
 data): a caller states the bytes of data a block of calls carries with :meth:`CollectiveLog.carrying`,
@@ -64,6 +67,7 @@ class CollectiveCall:
     site: str  # the innermost ds_canzona or DeepSpeed frame that issued it
     group: str = "world"  # the process group, as :meth:`CollectiveLog.label_groups` names it
     phase: str = ""  # what the process was doing, as :attr:`CollectiveLog.phase` said ("forward", ...)
+    fetch: bool = False  # issued inside DeepSpeed's ZeRO-3 parameter coordinator (a module fetch or prefetch)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -195,6 +199,19 @@ def _site() -> str:
     return fallback or "?"
 
 
+# DeepSpeed's ZeRO-3 parameter coordinator: fetch_sub_module and its prefetches gather from here.
+_COORDINATOR_FILE = "/deepspeed/runtime/zero/partitioned_param_coordinator.py"
+
+
+def _in_parameter_fetch() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_COORDINATOR_FILE):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _default_group_label(group) -> str:
     if group is None or group is torch.distributed.group.WORLD:
         return "world"
@@ -317,7 +334,8 @@ class CollectiveLog:
                 log.calls.append(CollectiveCall(kind=kind, group_size=group_size, launches=launches,
                                                 p2p_ops=group_size if uneven(a) and group_size > 1 else 1,
                                                 payload=payload, sent=sent, site=_site(),
-                                                group=log.label(a.get("group")), phase=log.phase))
+                                                group=log.label(a.get("group")), phase=log.phase,
+                                                fetch=_in_parameter_fetch()))
                 for block in log._carrying:
                     block[1] += payload
             if fill is not None and group_size > 1 and not any(map(is_fake, _tensors(list(a.values())))):

@@ -48,6 +48,7 @@ __all__ = ["COLLECTIVES", "SYSTEMS", "CellResult", "build_engine", "count_steps"
 
 DEFAULT_DP = (8, 64, 256, 1024)
 DEFAULT_BUCKET_NUMEL = 500_000_000  # DeepSpeed's default reduce_bucket_size
+DEFAULT_PREFETCH_NUMEL = 50_000_000  # DeepSpeed's default stage3_prefetch_bucket_size
 TOKENS = 8
 
 
@@ -186,16 +187,18 @@ _GATHER_KINDS = ("all_gather", "all_gather_into_tensor", "broadcast")
 
 
 def _by_group(calls) -> dict[str, dict[str, Any]]:
-    """Launches, NCCL operations and bytes sent per process group, and launches and operations per phase."""
+    """Launches, NCCL operations and bytes sent per process group; per phase launches, operations, and
+    the launches of DeepSpeed's ZeRO-3 parameter coordinator (its fetches: ``CollectiveCall.fetch``)."""
     groups: dict[str, dict[str, Any]] = {}
     for call in calls:
         row = groups.setdefault(call.group, {"launches": 0, "p2p_ops": 0, "sent": 0.0, "phases": {}})
         row["launches"] += call.launches
         row["p2p_ops"] += call.p2p_ops
         row["sent"] += call.sent
-        phase = row["phases"].setdefault(call.phase, {"launches": 0, "p2p_ops": 0})
+        phase = row["phases"].setdefault(call.phase, {"launches": 0, "p2p_ops": 0, "fetch_launches": 0})
         phase["launches"] += call.launches
         phase["p2p_ops"] += call.p2p_ops
+        phase["fetch_launches"] += call.launches if call.fetch else 0
     for row in groups.values():
         row["sent"] = int(round(row["sent"]))
     return groups
@@ -306,7 +309,7 @@ def count_steps(engine, log, *, stage: int, steps: int = 2) -> list[list]:
 
 
 def run_cell(system_key: str, stage: int, dp: int, source: dict[str, Any], *, bucket_numel: int, log,
-             fake: bool, tp: int = 1) -> CellResult:
+             fake: bool, tp: int = 1, prefetch_numel: int = DEFAULT_PREFETCH_NUMEL) -> CellResult:
     """Build the engine of one cell in the current fake world, take two steps, summarise the second."""
     from ds_canzona.config import CanzonaConfigError
 
@@ -315,7 +318,8 @@ def run_cell(system_key: str, stage: int, dp: int, source: dict[str, Any], *, bu
     started = time.perf_counter()
     with fake_tensors(enabled=fake):
         try:
-            engine = build_engine(system_key, stage, dp, source, bucket_numel=bucket_numel, tp=tp)
+            engine = build_engine(system_key, stage, dp, source, bucket_numel=bucket_numel, tp=tp,
+                                  zero_overrides={"stage3_prefetch_bucket_size": prefetch_numel})
         except CanzonaConfigError as error:
             return CellResult(system=system_key, stage=stage, dp=dp, tp=tp, launches=0, p2p_ops=0, sent=0, padding=0,
                               by_kind={}, seconds=time.perf_counter() - started, unavailable=str(error))
@@ -346,7 +350,7 @@ def group_labeller(world_size: int, tp: int):
 
 
 def run_world(rank: int, world_size: int, cells: list[tuple[str, int]], source: dict[str, Any], bucket_numel: int,
-              fake: bool, tp: int = 1) -> list[dict[str, Any]]:
+              fake: bool, tp: int = 1, prefetch_numel: int = DEFAULT_PREFETCH_NUMEL) -> list[dict[str, Any]]:
     """Every (system, stage) of ``cells`` at DP ``world_size // tp`` x TP ``tp``, in this (fresh) process as rank 0."""
     import logging
 
@@ -367,7 +371,7 @@ def run_world(rank: int, world_size: int, cells: list[tuple[str, int]], source: 
             from deepspeed.utils import groups
             groups._init_tp_mesh_device(tensor_model_parallel_size=tp)
         return [_cell_or_failure(system, stage, world_size // tp, source, bucket_numel=bucket_numel, log=log,
-                                 fake=fake, tp=tp).to_dict()
+                                 fake=fake, tp=tp, prefetch_numel=prefetch_numel).to_dict()
                 for system, stage in cells]
 
 
@@ -423,7 +427,7 @@ def _count(args: argparse.Namespace) -> dict[str, Any]:
             results += _one_world(run_ranks, dp, tp, cells, source, args)
             print(f"  TP {tp} x DP {dp}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
     return {"model": name, "tensors": "real" if args.real else "fake (FakeTensorMode)",
-            "bucket_numel": args.bucket_numel, "tokens": TOKENS, "commit": commit,
+            "bucket_numel": args.bucket_numel, "prefetch_numel": args.prefetch_numel, "tokens": TOKENS, "commit": commit,
             "cells": [{**cell, "commit": commit} for cell in results]}
 
 
@@ -458,9 +462,11 @@ def merge_documents(documents: list[dict[str, Any]]) -> dict[str, Any]:
 
     A (system, stage, TP, DP) cell counted in more than one run is kept from the last run given.
     """
+    # Runs written before --prefetch-numel existed ran at DeepSpeed's default.
+    documents = [{"prefetch_numel": DEFAULT_PREFETCH_NUMEL, **document} for document in documents]
     first = documents[0]
     for other in documents[1:]:
-        for key in ("model", "tensors", "bucket_numel", "tokens"):
+        for key in ("model", "tensors", "bucket_numel", "prefetch_numel", "tokens"):
             if other[key] != first[key]:
                 raise ValueError(f"--from-json: the runs differ in {key} ({first[key]!r} vs {other[key]!r})")
     cells: dict[tuple, dict[str, Any]] = {}
@@ -476,11 +482,12 @@ def _one_world(run_ranks, dp: int, tp: int, cells, source, args) -> list[dict[st
     # One fresh process per world: DeepSpeed keeps its groups (and its TP mesh) for the rest of a process.
     # DeepSpeed's Muon wraps its update in torch.compile, which would trace fake tensors; it changes no collective.
     return run_ranks(_world_entry, 1, dp * tp, tp, cells, source, args.bucket_numel, not args.real,
-                     timeout=args.timeout, env={"TORCHDYNAMO_DISABLE": "1"})[0]
+                     args.prefetch_numel, timeout=args.timeout, env={"TORCHDYNAMO_DISABLE": "1"})[0]
 
 
-def _world_entry(rank: int, world_size: int, world: int, tp: int, cells, source, bucket_numel: int, fake: bool):
-    return run_world(rank, world, cells, source, bucket_numel, fake, tp=tp)
+def _world_entry(rank: int, world_size: int, world: int, tp: int, cells, source, bucket_numel: int, fake: bool,
+                 prefetch_numel: int):
+    return run_world(rank, world, cells, source, bucket_numel, fake, tp=tp, prefetch_numel=prefetch_numel)
 
 
 def _mib(nbytes: int) -> str:
@@ -488,8 +495,10 @@ def _mib(nbytes: int) -> str:
 
 
 def _title(document: dict[str, Any]) -> str:
+    prefetch = document.get("prefetch_numel", DEFAULT_PREFETCH_NUMEL)
     return (f"Collectives per step: {document['model']}, {document['tensors']} tensors, bf16, buckets of "
-            f"{document['bucket_numel']:,} elements, micro-batch 1 x {document['tokens']} tokens, rank 0")
+            f"{document['bucket_numel']:,} elements, ZeRO-3 prefetch of {prefetch:,}, micro-batch 1 x "
+            f"{document['tokens']} tokens, rank 0")
 
 
 def _sorted_cells(document: dict[str, Any]) -> list[dict[str, Any]]:
@@ -509,16 +518,24 @@ def _group_launches(cell: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def _fetch_launches(cell: dict[str, Any]) -> str:
+    """The launches DeepSpeed's ZeRO-3 parameter coordinator issued (its module fetches), "?" for older runs."""
+    phases = [phase for row in cell.get("by_group", {}).values() for phase in row.get("phases", {}).values()]
+    if not phases or any("fetch_launches" not in phase for phase in phases):
+        return "?"
+    return f"{sum(phase['fetch_launches'] for phase in phases):,}"
+
+
 def format_table(document: dict[str, Any]) -> str:
-    lines = [_title(document), f"{'TP':>3} {'DP':>5} {'stage':>5}  {'system':<16} {'launches':>9} {'p2p ops':>9} "
-             f"{'sent MiB/rank':>14} {'padding MiB':>12}  launches by group (tp: model+step)"]
+    lines = [_title(document), f"{'TP':>3} {'DP':>5} {'stage':>5}  {'system':<16} {'launches':>9} {'fetches':>8} "
+             f"{'p2p ops':>9} {'sent MiB/rank':>14} {'padding MiB':>12}  launches by group (tp: model+step)"]
     for cell in _sorted_cells(document):
         label = SYSTEMS[cell["system"]].label
         head = f"{cell.get('tp', 1):>3} {cell['dp']:>5} {cell['stage']:>5}  {label:<16}"
         if cell.get("unavailable"):
             lines.append(f"{head} not available: {cell['unavailable']}")
             continue
-        lines.append(f"{head} {cell['launches']:>9,} {cell['p2p_ops']:>9,} "
+        lines.append(f"{head} {cell['launches']:>9,} {_fetch_launches(cell):>8} {cell['p2p_ops']:>9,} "
                      f"{_mib(cell['sent']):>14} {_mib(cell['padding']):>12}  {_group_launches(cell)}")
     return "\n".join(lines)
 
@@ -531,7 +548,8 @@ def format_markdown(document: dict[str, Any]) -> str:
     """One row per (TP, DP, stage): ds_canzona against DeepSpeed side by side, "-" where a cell did not run.
 
     With TP above 1 two columns more: the launches on the TP group in forward and backward (AutoTP's
-    own all-reduces, the model's) and in the optimizer step.
+    own all-reduces, the model's) and in the optimizer step. With a stage-3 row one more: the launches
+    of DeepSpeed's parameter coordinator (its module fetches), which it times for both systems.
     """
     rows: dict[tuple[int, int, int], dict[str, dict[str, Any]]] = {}
     for cell in _sorted_cells(document):
@@ -545,6 +563,8 @@ def format_markdown(document: dict[str, Any]) -> str:
         return lambda cell: f"{cell[key]:,}"
 
     columns = [("launches", count("launches"))]
+    if any(stage == 3 for _, _, stage in rows):
+        columns += [("of them ZeRO-3 fetches", _fetch_launches)]
     if with_tp:
         columns += [("TP launches: forward + backward", lambda c: f"{_tp_launches(c, ('forward', 'backward')):,}"),
                     ("TP launches: step", lambda c: f"{_tp_launches(c, ('step',)):,}")]
@@ -600,6 +620,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "of --systems x --stages (e.g. canzona:2,deepspeed:2,canzona:3)")
     parser.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL, metavar="N",
                         help="reduce_bucket_size and allgather_bucket_size (default 5e8)")
+    parser.add_argument("--prefetch-numel", type=int, default=DEFAULT_PREFETCH_NUMEL, metavar="N",
+                        help="stage3_prefetch_bucket_size, for both systems (default DeepSpeed's 5e7)")
     parser.add_argument("--real", action="store_true", help="real tensors (the model must fit in memory) "
                         "instead of FakeTensorMode")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per DP size")
