@@ -147,9 +147,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--machine-balance", type=float, default=None, metavar="B",
                         help=f"for --cost roofline: matmul FLOPs per elementwise byte (default "
                              f"{DEFAULT_MACHINE_BALANCE['cuda']:g}, GPUs; the CPU's is {DEFAULT_MACHINE_BALANCE['cpu']:g})")
-    parser.add_argument("--optimizer", choices=("muon", "shampoo", "soap"), default="muon",
-                        help="for --cost roofline or flops")
-    parser.add_argument("--ns-method", choices=("gram", "standard"), default=None, help="Muon's Newton-Schulz variant")
+    parser.add_argument("--optimizer", choices=("muon", "normuon", "adamuon", "shampoo", "soap"), default="muon",
+                        help="the matrix optimizer, for --cost roofline or flops and the memory model")
+    parser.add_argument("--ns-method", choices=("gram", "standard"), default=None,
+                        help="Newton-Schulz variant of Muon, NorMuon and AdaMuon")
     parser.add_argument("--dtype", choices=tuple(PARAM_BYTES), default="bf16",
                         help="the model's parameter dtype, for the memory model (default bf16: fp32 masters kept)")
     parser.add_argument("--max-state-bytes", type=_count, default=None, metavar="BYTES",
@@ -212,10 +213,14 @@ def _load_specs(args: argparse.Namespace) -> tuple[list[ParamSpec], str]:
     return specs_from_hf_config(args.hf_config), args.hf_config
 
 
+# The optimizers whose update orthogonalises by Newton-Schulz (--ns-method applies to them).
+_NEWTON_SCHULZ_OPTIMIZERS = ("muon", "normuon", "adamuon")
+
+
 def _cost_model(args: argparse.Namespace) -> CostModel:
     if args.cost == "numel":
         return cost_model("numel")
-    options = {"ns_method": args.ns_method} if args.ns_method and args.optimizer == "muon" else {}
+    options = {"ns_method": args.ns_method} if args.ns_method and args.optimizer in _NEWTON_SCHULZ_OPTIMIZERS else {}
     if args.cost == "roofline" and args.machine_balance is not None:
         options["machine_balance"] = args.machine_balance
     elif args.machine_balance is not None:

@@ -96,6 +96,16 @@ def test_model_shortcut_with_tp(capsys: pytest.CaptureFixture[str]) -> None:
     assert "TP micro-groups" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("optimizer", ["normuon", "adamuon"])
+def test_the_muon_variants_are_priced_as_the_runtime_prices_them(optimizer, capsys: pytest.CaptureFixture[str]) -> None:
+    from ds_canzona.plan import cost_model
+
+    assert main(["plan", "--model", "qwen3-0.6b", "--dp", "8", "--optimizer", optimizer, "--ns-method", "standard",
+                 "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["cost_label"] == cost_model("roofline", optimizer, ns_method="standard").label
+
+
 def test_plot(shapes: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")
     target = tmp_path / "ranks.png"
