@@ -44,6 +44,9 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ds_canzona.bench.stand_in_outputs import fill_all_gather, fill_all_gather_into_tensor, fill_broadcast, \
+    fill_reduce_scatter, is_root, tensors_in
+
 __all__ = ["StreamModel", "install_stream_model"]
 
 
@@ -193,50 +196,11 @@ class StandInWork:
 
 
 # --------------------------------------------------------------------------- collectives
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
-    return []
-
-
 def _bind(function, args, kwargs) -> dict:
     import inspect
     bound = inspect.signature(function).bind(*args, **kwargs)
     bound.apply_defaults()
     return dict(bound.arguments)
-
-
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.numel() == b.numel()
-
-
-def _reduce_scatter_fill(a) -> None:
-    rank = torch.distributed.get_rank(group=a["group"])
-    a["output"].copy_(a["input_list"][rank])
-
-
-def _all_gather_fill(a) -> None:
-    for slot in a["tensor_list"]:
-        if _same_memory(slot, a["tensor"]):
-            continue
-        if slot.shape == a["tensor"].shape:
-            slot.copy_(a["tensor"])
-        else:
-            slot.zero_()
-
-
-def _all_gather_into_fill(a) -> None:
-    # The input may be the output's own slot (an in-place all-gather, as NCCL allows): copy it first.
-    a["output_tensor"].view(-1, a["input_tensor"].numel()).copy_(a["input_tensor"].reshape(1, -1).clone())
-
-
-def _is_root(a, key: str) -> bool:
-    """Whether this rank is the collective's root (``src``/``dst`` global, or ``group_src``/``group_dst``)."""
-    if a.get(key) is not None:
-        return a[key] == torch.distributed.get_rank()
-    return a.get(f"group_{key}") == torch.distributed.get_rank(group=a["group"])
 
 
 def _all_reduce_fill(a) -> None:
@@ -248,17 +212,17 @@ def _all_reduce_fill(a) -> None:
 # name -> (tensors read, tensors written, output values); each of an argument dict
 _COLLECTIVES = {
     "all_reduce": (lambda a: [a["tensor"]], lambda a: [a["tensor"]], _all_reduce_fill),
-    "all_reduce_coalesced": (lambda a: _tensors(a["tensors"]), lambda a: _tensors(a["tensors"]), None),
-    "reduce": (lambda a: [a["tensor"]], lambda a: [a["tensor"]] if _is_root(a, "dst") else [], None),
-    "broadcast": (lambda a: [a["tensor"]] if _is_root(a, "src") else [],
-                  lambda a: [] if _is_root(a, "src") else [a["tensor"]],
-                  lambda a: None if _is_root(a, "src") else a["tensor"].zero_()),
-    "reduce_scatter": (lambda a: _tensors(a["input_list"]), lambda a: [a["output"]], _reduce_scatter_fill),
+    "all_reduce_coalesced": (lambda a: tensors_in(a["tensors"]), lambda a: tensors_in(a["tensors"]), None),
+    "reduce": (lambda a: [a["tensor"]], lambda a: [a["tensor"]] if is_root(a, "dst") else [], None),
+    "broadcast": (lambda a: [a["tensor"]] if is_root(a, "src") else [],
+                  lambda a: [] if is_root(a, "src") else [a["tensor"]],
+                  fill_broadcast),
+    "reduce_scatter": (lambda a: tensors_in(a["input_list"]), lambda a: [a["output"]], fill_reduce_scatter),
     "reduce_scatter_tensor": (lambda a: [a["input"]], lambda a: [a["output"]], lambda a: a["output"].zero_()),
-    "all_gather": (lambda a: [a["tensor"]], lambda a: _tensors(a["tensor_list"]), _all_gather_fill),
-    "all_gather_into_tensor": (lambda a: [a["input_tensor"]], lambda a: [a["output_tensor"]], _all_gather_into_fill),
+    "all_gather": (lambda a: [a["tensor"]], lambda a: tensors_in(a["tensor_list"]), fill_all_gather),
+    "all_gather_into_tensor": (lambda a: [a["input_tensor"]], lambda a: [a["output_tensor"]], fill_all_gather_into_tensor),
     "all_to_all_single": (lambda a: [a["input"]], lambda a: [a["output"]], lambda a: a["output"].zero_()),
-    "all_to_all": (lambda a: _tensors(a["input_tensor_list"]), lambda a: _tensors(a["output_tensor_list"]),
+    "all_to_all": (lambda a: tensors_in(a["input_tensor_list"]), lambda a: tensors_in(a["output_tensor_list"]),
                    lambda a: [t.zero_() for t in a["output_tensor_list"]]),
 }
 # Same semantics under another name (DeepSpeed's fallbacks for older torch).
@@ -490,13 +454,13 @@ class _AccessMode(TorchDispatchMode):
         written, read = [], []
         for argument, value in zip(schema.arguments, list(args) + [kwargs.get(a.name) for a in
                                                                   schema.arguments[len(args):]]):
-            tensors = _tensors(value)
+            tensors = tensors_in(value)
             if argument.alias_info is not None and argument.alias_info.is_write:
                 written += tensors
             else:
                 read += tensors
         inputs = {t.untyped_storage().data_ptr() for t in written + read if t.numel()}
-        outputs = _tensors(out)
+        outputs = tensors_in(out)
         fresh = [t for t in outputs if t.numel() and t.untyped_storage().data_ptr() not in inputs]
         if not written and outputs and not fresh:
             return out  # a view (or an empty result): no data is touched

@@ -51,6 +51,9 @@ from dataclasses import asdict, dataclass
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from .stand_in_outputs import fill_all_gather, fill_all_gather_into_tensor, fill_broadcast, fill_reduce_scatter, \
+    is_root, tensors_in
+
 __all__ = ["CollectiveCall", "CollectiveLog"]
 
 
@@ -73,16 +76,8 @@ class CollectiveCall:
         return asdict(self)
 
 
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
-    return []
-
-
 def _nbytes(value) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(value))
+    return sum(t.numel() * t.element_size() for t in tensors_in(value))
 
 
 def _all_equal(tensors: list[torch.Tensor]) -> bool:
@@ -93,48 +88,14 @@ def _group_rank(group) -> int:
     return torch.distributed.get_rank(group=group)
 
 
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.numel() == b.numel()
-
-
 # --------------------------------------------------------------------------- stand-in outputs
-def _fill_reduce_scatter(a) -> None:
-    a["output"].copy_(a["input_list"][_group_rank(a["group"])].clone())
-
-
 def _fill_reduce_scatter_tensor(a) -> None:
     output = a["output"]
     a["output"].copy_(a["input"].view(-1)[_group_rank(a["group"]) * output.numel():][:output.numel()].view_as(output))
 
 
-def _fill_all_gather(a) -> None:
-    for slot in a["tensor_list"]:
-        if _same_memory(slot, a["tensor"]):
-            continue
-        if slot.shape == a["tensor"].shape:
-            slot.copy_(a["tensor"])
-        else:
-            slot.zero_()
-
-
-def _fill_all_gather_into_tensor(a) -> None:
-    # The input is often this rank's slice of the output (DeepSpeed's partitions): copy it out first.
-    a["output_tensor"].view(-1, a["input_tensor"].numel()).copy_(a["input_tensor"].reshape(1, -1).clone())
-
-
-def _is_root(a, key: str) -> bool:
-    if a.get(key) is not None:
-        return a[key] == torch.distributed.get_rank()
-    return a.get(f"group_{key}") == _group_rank(a["group"])
-
-
-def _fill_broadcast(a) -> None:
-    if not _is_root(a, "src"):
-        a["tensor"].zero_()
-
-
 def _fill_all_to_all(a) -> None:
-    for tensor in _tensors(a.get("output_tensor_list", a.get("output"))):
+    for tensor in tensors_in(a.get("output_tensor_list", a.get("output"))):
         tensor.zero_()
 
 
@@ -148,14 +109,14 @@ _KINDS: dict[str, tuple[Callable, Callable, Callable[[int], float], Callable | N
     "all_reduce": (lambda a: _nbytes(a["tensor"]), lambda a: False, lambda p: 2 * _ring(p), None),
     "all_reduce_coalesced": (lambda a: _nbytes(a["tensors"]), lambda a: False, lambda p: 2 * _ring(p), None),
     "reduce": (lambda a: _nbytes(a["tensor"]), lambda a: False, _ring, None),
-    "broadcast": (lambda a: _nbytes(a["tensor"]), lambda a: False, _ring, _fill_broadcast),
+    "broadcast": (lambda a: _nbytes(a["tensor"]), lambda a: False, _ring, fill_broadcast),
     "reduce_scatter": (lambda a: _nbytes(a["input_list"]), lambda a: not _all_equal(a["input_list"]), _ring,
-                       _fill_reduce_scatter),
+                       fill_reduce_scatter),
     "reduce_scatter_tensor": (lambda a: _nbytes(a["input"]), lambda a: False, _ring, _fill_reduce_scatter_tensor),
     "all_gather": (lambda a: _nbytes(a["tensor_list"]), lambda a: not _all_equal(a["tensor_list"]), _ring,
-                   _fill_all_gather),
+                   fill_all_gather),
     "all_gather_into_tensor": (lambda a: _nbytes(a["output_tensor"]), lambda a: False, _ring,
-                               _fill_all_gather_into_tensor),
+                               fill_all_gather_into_tensor),
     "all_to_all_single": (lambda a: _nbytes(a["input"]), lambda a: False, _ring, _fill_all_to_all),
     "all_to_all": (lambda a: _nbytes(a["input_tensor_list"]), lambda a: False, _ring, _fill_all_to_all),
     "barrier": (lambda a: 0, lambda a: False, lambda p: 0.0, None),
@@ -338,7 +299,7 @@ class CollectiveLog:
                                                 fetch=_in_parameter_fetch()))
                 for block in log._carrying:
                     block[1] += payload
-            if fill is not None and group_size > 1 and not any(map(is_fake, _tensors(list(a.values())))):
+            if fill is not None and group_size > 1 and not any(map(is_fake, tensors_in(list(a.values())))):
                 with torch.no_grad():
                     fill(a)
             return _DoneWork() if a.get("async_op") else None
