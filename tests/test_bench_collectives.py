@@ -355,3 +355,32 @@ def test_zero3_fetch_launches_are_the_coordinators_and_the_same_for_both_systems
     # Without prefetching every module is fetched again in backward (with it, the prefetch of the
     # last forward modules reaches across the tiny model's backward, and nothing is released).
     assert launches(counted[("zero3 fetches", "canzona", 0)], "backward", True) > 0
+
+
+def test_zero_overrides_are_parsed_recorded_and_kept_apart_and_the_fetches_shown():
+    import argparse
+
+    from ds_canzona.bench.collectives import _zero_override, format_markdown, merge_documents
+
+    assert _zero_override("stage3_prefetch_bucket_size=5e8") == ("stage3_prefetch_bucket_size", 5e8)
+    assert _zero_override('leaf_module={"classes": ["A"]}') == ("leaf_module", {"classes": ["A"]})
+    for bad in ("stage3_prefetch_bucket_size", "=1", "x={"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _zero_override(bad)
+
+    def cell(system, launches, fetches):
+        phases = {"forward": {"launches": launches, "p2p_ops": launches, "fetch_launches": fetches}}
+        if fetches is None:  # a run written before fetches were counted
+            del phases["forward"]["fetch_launches"]
+        return {"system": system, "stage": 3, "dp": 8, "tp": 1, "launches": launches, "p2p_ops": launches,
+                "sent": 0, "padding": 0, "commit": "aaaaaaa",
+                "by_group": {"dp": {"launches": launches, "p2p_ops": launches, "sent": 0, "phases": phases}}}
+
+    run = {"model": "m", "tensors": "fake", "bucket_numel": 1, "tokens": 8}
+    table = format_markdown(merge_documents([{**run, "cells": [cell("canzona", 30, 20), cell("deepspeed", 50, None)]}]))
+    assert "| DP | stage | launches | of them ZeRO-3 fetches |" in table
+    assert "| 8 | 3 | 30 / 50 | 20 / ? |" in table
+    coarse = {**run, "zero_overrides": {"stage3_prefetch_bucket_size": 5e8}, "cells": [cell("canzona", 20, 10)]}
+    with pytest.raises(ValueError, match="zero_overrides"):
+        merge_documents([{**run, "cells": [cell("canzona", 30, 20)]}, coarse])
+    assert "stage3_prefetch_bucket_size=500000000.0" in format_markdown(merge_documents([coarse]))

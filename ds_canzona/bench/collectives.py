@@ -19,6 +19,12 @@ is not gloo, so the runtimes take their NCCL paths. Per cell:
   reduce-scatters (``reduce_scatter_coalesced``) are wrapped with the bytes of their data;
   ds_canzona's broadcasts and reduces carry whole pieces, with no room for padding.
 
+At stage 3 DeepSpeed's parameter coordinator decides, for both systems, when a module's parameters
+are fetched and how many at once; the launches it issues are counted apart (``fetches``): under one
+config they are the same for both (tests/test_bench_collectives.py), so they bound from below what
+any runtime under that coordinator can reach. ``--zero KEY=JSON`` sets a ``zero_optimization`` key
+in both systems' configs (the prefetch bucket, the ZeRO-3 leaf modules, ...).
+
 With ``--tp T`` a cell is rank 0 of a world of T x DP ranks with AutoTP (``tensor_parallel.autotp_size``)
 in both configs. Every call is labelled with its process group (``group_labeller``: "tp", "dp", or
 "world" for both) and the phase that issued it (forward, backward, step), and each cell keeps its
@@ -48,7 +54,6 @@ __all__ = ["COLLECTIVES", "SYSTEMS", "CellResult", "build_engine", "count_steps"
 
 DEFAULT_DP = (8, 64, 256, 1024)
 DEFAULT_BUCKET_NUMEL = 500_000_000  # DeepSpeed's default reduce_bucket_size
-DEFAULT_PREFETCH_NUMEL = 50_000_000  # DeepSpeed's default stage3_prefetch_bucket_size
 TOKENS = 8
 
 
@@ -309,7 +314,7 @@ def count_steps(engine, log, *, stage: int, steps: int = 2) -> list[list]:
 
 
 def run_cell(system_key: str, stage: int, dp: int, source: dict[str, Any], *, bucket_numel: int, log,
-             fake: bool, tp: int = 1, prefetch_numel: int = DEFAULT_PREFETCH_NUMEL) -> CellResult:
+             fake: bool, tp: int = 1, zero_overrides: dict[str, Any] | None = None) -> CellResult:
     """Build the engine of one cell in the current fake world, take two steps, summarise the second."""
     from ds_canzona.config import CanzonaConfigError
 
@@ -319,7 +324,7 @@ def run_cell(system_key: str, stage: int, dp: int, source: dict[str, Any], *, bu
     with fake_tensors(enabled=fake):
         try:
             engine = build_engine(system_key, stage, dp, source, bucket_numel=bucket_numel, tp=tp,
-                                  zero_overrides={"stage3_prefetch_bucket_size": prefetch_numel})
+                                  zero_overrides=zero_overrides)
         except CanzonaConfigError as error:
             return CellResult(system=system_key, stage=stage, dp=dp, tp=tp, launches=0, p2p_ops=0, sent=0, padding=0,
                               by_kind={}, seconds=time.perf_counter() - started, unavailable=str(error))
@@ -350,7 +355,7 @@ def group_labeller(world_size: int, tp: int):
 
 
 def run_world(rank: int, world_size: int, cells: list[tuple[str, int]], source: dict[str, Any], bucket_numel: int,
-              fake: bool, tp: int = 1, prefetch_numel: int = DEFAULT_PREFETCH_NUMEL) -> list[dict[str, Any]]:
+              fake: bool, tp: int = 1, zero_overrides: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Every (system, stage) of ``cells`` at DP ``world_size // tp`` x TP ``tp``, in this (fresh) process as rank 0."""
     import logging
 
@@ -371,7 +376,7 @@ def run_world(rank: int, world_size: int, cells: list[tuple[str, int]], source: 
             from deepspeed.utils import groups
             groups._init_tp_mesh_device(tensor_model_parallel_size=tp)
         return [_cell_or_failure(system, stage, world_size // tp, source, bucket_numel=bucket_numel, log=log,
-                                 fake=fake, tp=tp, prefetch_numel=prefetch_numel).to_dict()
+                                 fake=fake, tp=tp, zero_overrides=zero_overrides).to_dict()
                 for system, stage in cells]
 
 
@@ -427,7 +432,7 @@ def _count(args: argparse.Namespace) -> dict[str, Any]:
             results += _one_world(run_ranks, dp, tp, cells, source, args)
             print(f"  TP {tp} x DP {dp}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
     return {"model": name, "tensors": "real" if args.real else "fake (FakeTensorMode)",
-            "bucket_numel": args.bucket_numel, "prefetch_numel": args.prefetch_numel, "tokens": TOKENS, "commit": commit,
+            "bucket_numel": args.bucket_numel, "zero_overrides": dict(args.zero), "tokens": TOKENS, "commit": commit,
             "cells": [{**cell, "commit": commit} for cell in results]}
 
 
@@ -462,11 +467,11 @@ def merge_documents(documents: list[dict[str, Any]]) -> dict[str, Any]:
 
     A (system, stage, TP, DP) cell counted in more than one run is kept from the last run given.
     """
-    # Runs written before --prefetch-numel existed ran at DeepSpeed's default.
-    documents = [{"prefetch_numel": DEFAULT_PREFETCH_NUMEL, **document} for document in documents]
+    # Runs written before --zero existed ran without overrides.
+    documents = [{"zero_overrides": {}, **document} for document in documents]
     first = documents[0]
     for other in documents[1:]:
-        for key in ("model", "tensors", "bucket_numel", "prefetch_numel", "tokens"):
+        for key in ("model", "tensors", "bucket_numel", "zero_overrides", "tokens"):
             if other[key] != first[key]:
                 raise ValueError(f"--from-json: the runs differ in {key} ({first[key]!r} vs {other[key]!r})")
     cells: dict[tuple, dict[str, Any]] = {}
@@ -482,12 +487,12 @@ def _one_world(run_ranks, dp: int, tp: int, cells, source, args) -> list[dict[st
     # One fresh process per world: DeepSpeed keeps its groups (and its TP mesh) for the rest of a process.
     # DeepSpeed's Muon wraps its update in torch.compile, which would trace fake tensors; it changes no collective.
     return run_ranks(_world_entry, 1, dp * tp, tp, cells, source, args.bucket_numel, not args.real,
-                     args.prefetch_numel, timeout=args.timeout, env={"TORCHDYNAMO_DISABLE": "1"})[0]
+                     dict(args.zero), timeout=args.timeout, env={"TORCHDYNAMO_DISABLE": "1"})[0]
 
 
 def _world_entry(rank: int, world_size: int, world: int, tp: int, cells, source, bucket_numel: int, fake: bool,
-                 prefetch_numel: int):
-    return run_world(rank, world, cells, source, bucket_numel, fake, tp=tp, prefetch_numel=prefetch_numel)
+                 zero_overrides: dict[str, Any]):
+    return run_world(rank, world, cells, source, bucket_numel, fake, tp=tp, zero_overrides=zero_overrides)
 
 
 def _mib(nbytes: int) -> str:
@@ -495,10 +500,9 @@ def _mib(nbytes: int) -> str:
 
 
 def _title(document: dict[str, Any]) -> str:
-    prefetch = document.get("prefetch_numel", DEFAULT_PREFETCH_NUMEL)
+    overrides = "".join(f", {key}={json.dumps(value)}" for key, value in document.get("zero_overrides", {}).items())
     return (f"Collectives per step: {document['model']}, {document['tensors']} tensors, bf16, buckets of "
-            f"{document['bucket_numel']:,} elements, ZeRO-3 prefetch of {prefetch:,}, micro-batch 1 x "
-            f"{document['tokens']} tokens, rank 0")
+            f"{document['bucket_numel']:,} elements{overrides}, micro-batch 1 x {document['tokens']} tokens, rank 0")
 
 
 def _sorted_cells(document: dict[str, Any]) -> list[dict[str, Any]]:
@@ -600,6 +604,16 @@ def _positive_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def _zero_override(text: str) -> tuple[str, Any]:
+    key, separator, value = text.partition("=")
+    if not separator or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=JSON")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"{text!r}: the value is not JSON ({error})") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ds_canzona.plan.models import shipped_models
 
@@ -620,8 +634,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "of --systems x --stages (e.g. canzona:2,deepspeed:2,canzona:3)")
     parser.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL, metavar="N",
                         help="reduce_bucket_size and allgather_bucket_size (default 5e8)")
-    parser.add_argument("--prefetch-numel", type=int, default=DEFAULT_PREFETCH_NUMEL, metavar="N",
-                        help="stage3_prefetch_bucket_size, for both systems (default DeepSpeed's 5e7)")
+    parser.add_argument("--zero", type=_zero_override, action="append", default=[], metavar="KEY=JSON",
+                        help="a zero_optimization key for both systems' configs, its value in JSON (repeatable; "
+                             "e.g. stage3_prefetch_bucket_size=5e8, or leaf_module='{\"classes\": [...]}')")
     parser.add_argument("--real", action="store_true", help="real tensors (the model must fit in memory) "
                         "instead of FakeTensorMode")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per DP size")
