@@ -66,6 +66,7 @@ CASES = {
         "muon_bf16_ga3_padded_pieces": ("muon", 3, "bf16", "tiny", False, False),
         "shampoo_fp32_ga1_grouped": ("shampoo", 1, "fp32", "tiny", False, False),
         "adamuon_bf16_ga3": ("adamuon", 3, "bf16", "tiny", False, False),
+        "muon_bf16_ga3_leaf_blocks": ("muon", 3, "bf16", "tiny", False, False),
     },
     4: {
         "muon_fp32_ga1": ("muon", 1, "fp32", "tiny", False, False),
@@ -77,11 +78,16 @@ CASES = {
 # with the norms and biases (24 elements) persistent and the matrices fetched, gradients in buckets
 # of 1000 elements (several items each, the embedding's pieces among them, some alone);
 # "grouped" with DeepSpeed's default persistence threshold (1e5: every tensor of the tiny model
-# persistent, so forward fetches nothing after the first) and bucket (5e8: one per backward).
+# persistent, so forward fetches nothing after the first) and bucket (5e8: one per backward);
+# "grouped" with each transformer block a ZeRO-3 leaf module (DeepSpeed's coordinator fetches a
+# block's parameters at once, the fewest fetch launches: docs/BENCHMARKS.md).
 FEW_LAUNCHES = {
     "muon_bf16_ga3_padded_pieces": ({"collectives": "padded"},
                                     {"stage3_param_persistence_threshold": 100, "reduce_bucket_size": 1000}),
     "shampoo_fp32_ga1_grouped": ({"collectives": "grouped"}, {}),
+    "muon_bf16_ga3_leaf_blocks": ({"collectives": "grouped"},
+                                  {"stage3_param_persistence_threshold": 100, "reduce_bucket_size": 1000,
+                                   "leaf_module": {"classes": ["Block"]}}),
 }
 # canzona.split_numel of the "_pieces" cases: the tiny model's embedding and AdamW head (61 x 24 =
 # 1464 elements each) become 15 pieces of at most 100, its norms (24 elements) stay whole.
@@ -260,6 +266,8 @@ def test_few_launch_cases_ran_their_collectives_and_kept_small_tensors_resident(
             threshold = FEW_LAUNCHES[name][1].get("stage3_param_persistence_threshold", 100_000)
             assert r["persistent"] == sorted(n for n, k in numel.items() if k <= threshold), name
             assert r["persistent"], name
+            leaves = FEW_LAUNCHES[name][1].get("leaf_module", {}).get("classes")
+            assert bool(r["leaf_modules"]) == bool(leaves), name  # the blocks, where the case names them
     # gloo's default is one collective per piece and item, nothing of the owners' persistent.
     for r in results["muon_fp32_ga3"]:
         assert r["collectives"] == "per_piece" and r["persistent"] == []

@@ -99,6 +99,7 @@ def _train_run(rank: int, world_size: int, run: dict) -> dict:
         "local_shard_numel": {name: int(p.ds_tensor.numel()) for name, p in zip(zero.names, zero.params)},
         "collectives": zero.collectives,
         "persistent": sorted(name for name, p in zip(zero.names, zero.params) if p.ds_persist),
+        "leaf_modules": sorted(name for name, m in engine.module.named_modules() if getattr(m, "_z3_leaf", False)),
     }
     engine.destroy()
     return result
