@@ -473,11 +473,11 @@ def test_launches_at_dp64_are_a_reduce_scatter_per_bucket_a_gather_per_group_and
 
 
 def test_bucket_collectives_refuse_an_unknown_form_and_a_short_output():
-    from ds_canzona.zero.comm import CommCounter, all_gather_bucket, reduce_scatter_bucket
+    from ds_canzona.zero.comm import CommCounter, all_gather_buckets, reduce_scatter_bucket
 
     flat, cuts = torch.zeros(6), (0, 1, 6)
     with pytest.raises(ValueError, match="'grouped' or 'padded'"):
-        all_gather_bucket(flat, cuts, 0, "default", group=None, counter=CommCounter())
+        all_gather_buckets([flat], [cuts], 0, ["default"], group=None, counter=CommCounter())
     with pytest.raises(ValueError, match="writes 5 elements"):  # before any collective is issued
         reduce_scatter_bucket(torch.zeros(1), flat, cuts, "padded", group=None, counter=CommCounter(), async_op=False)
 

@@ -45,7 +45,7 @@ import deepspeed.comm as dist
 from ds_canzona.plan.collectives import GROUPED, PADDED
 from ds_canzona.zero.stage3_comm import LaunchGroup
 
-__all__ = ["CommCounter", "PlanMismatchError", "all_gather_bucket", "all_gather_buckets", "all_reduce_sum",
+__all__ = ["CommCounter", "PlanMismatchError", "all_gather_buckets", "all_reduce_sum",
            "backend_name", "check_digest_agreement", "reduce_scatter_bucket", "segment_views"]
 
 
@@ -138,12 +138,6 @@ def reduce_scatter_bucket(out: torch.Tensor, flat: torch.Tensor, cuts: tuple[int
     counter.add("reduce_scatter", send.numel() * element, padding_bytes=(send.numel() - flat.numel()) * element)
     _quiet_tensor_collectives()
     return dist.reduce_scatter_tensor(out[:largest], send, group=group, async_op=async_op), send
-
-
-def all_gather_bucket(flat: torch.Tensor, cuts: tuple[int, ...], rank: int, form: str, *, group,
-                      counter: CommCounter) -> None:
-    """Every rank's segment of ``flat`` is gathered into the same place on all ranks, in place."""
-    all_gather_buckets([flat], [cuts], rank, [form], group=group, counter=counter)
 
 
 def all_gather_buckets(flats: Sequence[torch.Tensor], bucket_cuts: Sequence[tuple[int, ...]], rank: int,
