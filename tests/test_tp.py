@@ -191,6 +191,7 @@ def test_tp2_dp2_tensor_fragment_api_on_the_slices(tp2_dp2):
 def test_tp2_dp2_plan_summary_prints_the_tp_load(tp2_dp2):
     summary = scenario(tp2_dp2, 3)[0]["plan_summary"]
     assert "TP=2" in summary and "host cost max/avg=" in summary and "host bytes max/avg=" in summary
+    assert "buckets closing at 3000 elements counted in each tensor's largest TP slice" in summary
     assert summary.count("micro-groups, host cost") == 2  # one line per DP rank
 
 

@@ -417,8 +417,8 @@ def plan_dp_partitions(
     hold of it, on which buckets close (``plan_buckets``). The tensor-parallel runtime plans
     logical (whole-matrix) specs, so that costs price the whole matrix its host updates and every
     TP rank agrees on the plan, and passes each tensor's largest TP slice here, so that a bucket
-    is ``bucket_numel`` elements of what a rank actually reduces. Costs, memory, cuts and offsets
-    stay in the specs' elements.
+    holds at most ``bucket_numel`` elements of what a rank actually reduces (or one larger tensor
+    alone). Costs, memory, cuts and offsets stay in the specs' elements.
     """
     specs = tuple(specs)
     if not specs:

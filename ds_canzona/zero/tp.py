@@ -140,8 +140,8 @@ class CanzonaTPZeroOptimizer(CanzonaZeroOptimizer):
     def plan_summary(self) -> str:
         lines = [super().plan_summary()]
         memory = self._plan_memory_model()
-        lines.append(f"ds_canzona TP: TP={self.tp_size}, buckets of at most {self.plan.bucket_numel} elements of "
-                     f"each tensor's largest TP slice, micro-groups of at most {self.config.tp_micro_group_bytes} "
+        lines.append(f"ds_canzona TP: TP={self.tp_size}, buckets closing at {self.plan.bucket_numel} elements counted "
+                     f"in each tensor's largest TP slice, micro-groups of at most {self.config.tp_micro_group_bytes} "
                      "gathered bytes per host")
         for dp_rank, (items, tp_plan) in enumerate(self.tp_plans):
             costs = tp_plan.rank_costs()
