@@ -43,6 +43,7 @@ cells, both systems at stage 2 with real tensors, and ds_canzona's under FakeTen
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -260,12 +261,27 @@ def count_tp(rank: int, world_size: int) -> dict:
                     row["hosted_here"] = len(zero.hosted_tensors())
                     row["expected_dp"] = _expected_canzona(engine, TP_DP)
                     row["dp_rank"] = zero.rank
+                    row["buckets"] = _bucket_tensor_ranges(zero)
+                    row["held"] = [p.numel() for p in zero.params]
+                    row["largest_slices"] = zero._held_numels()
+                    row["logical"] = [math.prod(shape) for shape in zero.logical_shapes]
+                    row["local_bucket_numels"] = list(zero.layout.bucket_numel)
+                    row["items"] = len(zero.plan.pieces)
                 else:
                     flats = engine.optimizer.bit16_groups_flat
                     row["flat_gathers"] = (len(flats), sum(f.numel() * f.element_size() for f in flats))
                 engine.destroy()
             out[(system, fake)] = row
     return out
+
+
+def _bucket_tensor_ranges(zero) -> list[tuple[int, int]]:
+    """The plan's buckets as (first, stop) tensor ranges (a tensor in pieces is one tensor)."""
+    ranges = []
+    for bucket in zero.plan.buckets:
+        first = zero.plan.pieces[bucket.first][0]
+        ranges.append((first, zero.plan.pieces[bucket.stop - 1][0] + 1))
+    return ranges
 
 
 @pytest.fixture(scope="module")
@@ -302,6 +318,34 @@ def test_tp_counts_the_micro_group_exchanges_and_the_dp_collectives_of_the_plan(
     by_group = canzona["summary"]["by_group"]
     assert by_group["tp"]["phases"]["step"]["launches"] == 2 * canzona["micro_groups"]
     assert sum(row["launches"] for row in by_group.values()) == canzona["summary"]["launches"]
+
+
+def test_tp_buckets_close_on_the_slices_a_rank_holds(tp_counted):
+    """Under AutoTP the buckets are ``reduce_bucket_size`` elements of the TP slices, not of the logical tensors.
+
+    The tiny model's 2 KV heads split evenly at TP=2, so every TP rank holds the same counts and
+    the largest slice is this rank's own.
+    """
+    from ds_canzona.plan import ParamSpec, plan_buckets
+
+    canzona = tp_counted[("canzona", False)]
+    held, logical = canzona["held"], canzona["logical"]
+    assert canzona["largest_slices"] == held
+    assert sum(held) < sum(logical), "AutoTP split nothing"
+    assert canzona["items"] == len(held), "no tensor of the tiny model is planned in pieces"
+
+    def buckets_of(counts):
+        return plan_buckets([ParamSpec(name=f"t{i}", shape=(n,), matrix=True) for i, n in enumerate(counts)],
+                            BUCKET_NUMEL)
+
+    assert canzona["buckets"] == buckets_of(held)
+    assert len(canzona["buckets"]) < len(buckets_of(logical))
+    for (first, stop), local in zip(canzona["buckets"], canzona["local_bucket_numels"]):
+        assert local == sum(held[first:stop])
+        assert stop - first == 1 or local <= BUCKET_NUMEL
+    # Each bucket is as full as the size allows: the next tensor would take it past BUCKET_NUMEL.
+    for (first, stop), (after, _) in zip(canzona["buckets"], canzona["buckets"][1:]):
+        assert stop == after and sum(held[first:stop]) + held[after] > BUCKET_NUMEL
 
 
 def test_tp_fake_tensors_record_the_real_calls_and_autotp_is_the_same_model_for_both(tp_counted):

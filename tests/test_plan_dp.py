@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from ds_canzona.plan import (
+    DEFAULT_SPLIT_NUMEL,
     DPPlan,
     ParamSpec,
     PlanError,
@@ -21,6 +22,7 @@ from ds_canzona.plan import (
     piece_bounds,
     plan_buckets,
     plan_dp_partitions,
+    shard_for_tp,
 )
 
 STRATEGIES = ("alpha_balanced", "start_index", "uniform")
@@ -180,6 +182,54 @@ def test_buckets_follow_buffer_order_and_size() -> None:
     assert plan_buckets(specs, 8) == [(0, 2), (2, 3), (3, 6)]
     assert plan_buckets(specs, 1) == [(i, i + 1) for i in range(6)]
     assert plan_buckets(specs, 100) == [(0, 6)]
+
+
+def test_buckets_close_on_the_held_elements_where_given() -> None:
+    """Under TP a rank holds a slice of each split tensor: buckets close on those counts, not the specs'."""
+    specs = [ParamSpec(name=f"t{i}", shape=shape, matrix=len(shape) == 2)
+             for i, shape in enumerate(((4, 2), (4, 2), (6,), (4, 4), (1,), (3,)))]
+    held = [4, 4, 6, 8, 1, 3]  # halves of the matrices, the rest whole (replicated)
+    assert plan_buckets(specs, 8) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 6)]
+    assert plan_buckets(specs, 8, held_numels=held) == [(0, 2), (2, 3), (3, 4), (4, 6)]
+    # Pieces stay a matter of the whole tensor: t3 (16 elements, 8 held) is no AdamW tensor in pieces,
+    # t2 (6 elements) is one at split_numel 5 and keeps a bucket of its own.
+    assert plan_buckets(specs, 8, split_numel=5, held_numels=held) == [(0, 2), (2, 3), (3, 4), (4, 6)]
+    assert plan_buckets(specs, 100, split_numel=5, held_numels=held) == [(0, 2), (2, 3), (3, 6)]
+    for wrong in ([4] * 5, [4, 4, 6, 8, 1, -1], [4, 4, 7, 8, 1, 3], [4, 4, 6, 8, 1, 3.0]):
+        with pytest.raises(PlanError, match="held_numels"):
+            plan_buckets(specs, 8, held_numels=wrong)
+        with pytest.raises(PlanError, match="held_numels"):
+            plan_dp_partitions(specs, world_size=2, bucket_numel=8, held_numels=wrong)
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+def test_tp_buckets_follow_the_slices_and_the_plan_still_prices_whole_matrices(tp: int) -> None:
+    """Qwen3-8B, logical specs with each tensor's TP slice as what a rank holds (the AutoTP runtime's plan).
+
+    The buckets are those of the sliced model (what DeepSpeed's buckets count under AutoTP), far
+    fewer than the 17 of the logical model; items, costs and memory are the logical model's.
+    """
+    logical = model_specs("qwen3-8b")
+    sliced = shard_for_tp(logical, tp)
+    held = [spec.numel for spec in sliced]
+    assert sum(held) < sum(spec.numel for spec in logical)
+    bucket, world = 500_000_000, 8
+    whole = plan_dp_partitions(logical, world_size=world, bucket_numel=bucket, split_numel=DEFAULT_SPLIT_NUMEL)
+    plan = plan_dp_partitions(logical, world_size=world, bucket_numel=bucket, split_numel=DEFAULT_SPLIT_NUMEL,
+                              held_numels=held)
+    ranges = plan_buckets(logical, bucket, split_numel=DEFAULT_SPLIT_NUMEL, held_numels=held)
+    assert ranges == plan_buckets(sliced, bucket, split_numel=DEFAULT_SPLIT_NUMEL)
+    assert len(whole.buckets) == 17
+    assert len(plan.buckets) == len(ranges) == {2: 10, 8: 4}[tp]
+    assert plan.specs == whole.specs and plan.costs == whole.costs and plan.memory == whole.memory
+    first_item = {tensor: item for item, (tensor, start, _) in enumerate(plan.pieces) if start == 0}
+    assert [(b.first, b.stop) for b in plan.buckets] == [
+        (first_item[first], first_item[stop] if stop < len(logical) else len(plan.pieces)) for first, stop in ranges]
+    for first, stop in ranges:  # at most a bucket's worth of held elements, unless one tensor alone
+        assert stop - first == 1 or sum(held[first:stop]) <= bucket
+    assert plan.digest() == plan_dp_partitions(logical, world_size=world, bucket_numel=bucket,
+                                               split_numel=DEFAULT_SPLIT_NUMEL, held_numels=held).digest()
+    assert plan.digest() != whole.digest()
 
 
 def test_plan_is_deterministic_and_its_digest_is_stable_across_processes() -> None:

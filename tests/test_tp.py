@@ -191,6 +191,7 @@ def test_tp2_dp2_tensor_fragment_api_on_the_slices(tp2_dp2):
 def test_tp2_dp2_plan_summary_prints_the_tp_load(tp2_dp2):
     summary = scenario(tp2_dp2, 3)[0]["plan_summary"]
     assert "TP=2" in summary and "host cost max/avg=" in summary and "host bytes max/avg=" in summary
+    assert "buckets closing at 3000 elements counted in each tensor's largest TP slice" in summary
     assert summary.count("micro-groups, host cost") == 2  # one line per DP rank
 
 
@@ -326,6 +327,29 @@ def test_held_before_counts_a_slice_in_logical_order():
     # Fused: rank 0 of ((2, 2), (3, 1), (1, 1)) holds rows 0-1 of the first sub-parameter, rows 4-6 of the
     # second and row 8 of the third.
     assert TPSplit(logical_shape=(10, 4), dim=0, widths=fused[0][2]).runs(0) == ((0, 2), (4, 3), (8, 1))
+
+
+def test_buckets_count_each_tensor_by_its_largest_slice_on_every_tp_rank():
+    """What the runtime hands the planner as held elements (``_held_numels``), on stand-ins of both TP ranks.
+
+    k_proj of 3 KV heads at TP=2 is cut 16/8 rows: both ranks count the 16-row slice, so their plans (and
+    bucket boundaries) agree, and neither rank's bucket holds more than the bucket size. A replicated
+    tensor counts whole, a fused one by its larger slice (its pieces of every sub-parameter together).
+    """
+    from types import SimpleNamespace
+
+    from ds_canzona.zero.tp import CanzonaTPZeroOptimizer
+    from ds_canzona.zero.tp_layout import TPSplit
+
+    k_proj = TPSplit.plain((24, 48), 0, (16, 8))
+    fused = TPSplit(logical_shape=(10, 8), dim=0, widths=((2, 2), (3, 1), (1, 1)))  # rank 0: 6 rows, rank 1: 4
+    o_proj = TPSplit.plain((48, 48), 1, (24, 24))
+    splits = [k_proj, None, fused, o_proj]
+    for tp_rank in (0, 1):
+        params = [torch.empty(split.local_shape(tp_rank)) if split else torch.empty(48) for split in splits]
+        stand_in = SimpleNamespace(splits=splits, params=params, tp_size=2)
+        assert CanzonaTPZeroOptimizer._held_numels(stand_in) == [16 * 48, 48, 6 * 8, 48 * 24]
+    assert k_proj.local_numel(1) == 8 * 48  # what TP rank 1 itself holds: not what it counts
 
 
 def test_read_tp_splits_takes_sub_parameter_widths_and_refuses_what_it_cannot_place():

@@ -345,12 +345,16 @@ def _expand_pieces(
     return items, pieces, [(first_item[first], first_item[stop]) for first, stop in ranges]
 
 
-def plan_buckets(specs: Sequence[ParamSpec], bucket_numel: int, *,
-                 split_numel: int | None = None) -> list[tuple[int, int]]:
+def plan_buckets(specs: Sequence[ParamSpec], bucket_numel: int, *, split_numel: int | None = None,
+                 held_numels: Sequence[int] | None = None) -> list[tuple[int, int]]:
     """Consecutive params, in buffer order, grouped into ``(first, stop)`` buckets.
 
     A bucket closes when the next param would take it past ``bucket_numel`` elements; a param
-    larger than that gets a bucket of its own. With ``split_numel``, every tensor planned in
+    larger than that gets a bucket of its own. The elements counted are ``held_numels[i]`` for
+    param i where given (what a rank's buffer holds of it: under tensor parallelism its slice,
+    while the spec keeps the whole tensor's shape for pricing), else the spec's own numel.
+    Whether a tensor is planned in pieces stays a question of its spec (pieces are canonical
+    pieces of the whole tensor). With ``split_numel``, every tensor planned in
     pieces (a non-matrix tensor above ``split_numel`` elements: an embedding, a head) is then
     split off its bucket into a bucket of its own, so its pieces form a chain that may spread
     over any ranks. Sharing a bucket with the first (or last) layers, they could only go to the
@@ -359,13 +363,14 @@ def plan_buckets(specs: Sequence[ParamSpec], bucket_numel: int, *,
     plan on the buckets without ``split_numel`` is a plan on these.
     """
     _check_positive_int("bucket_numel", bucket_numel)
+    held = _held_numels(specs, held_numels)
     buckets = []
     first, filled = 0, 0
-    for index, spec in enumerate(specs):
-        if filled and filled + spec.numel > bucket_numel:
+    for index, numel in enumerate(held):
+        if filled and filled + numel > bucket_numel:
             buckets.append((first, index))
             first, filled = index, 0
-        filled += spec.numel
+        filled += numel
     if specs:
         buckets.append((first, len(specs)))
     if split_numel is None:
@@ -396,6 +401,7 @@ def plan_dp_partitions(
     split_numel: int | None = None,
     memory: MemoryModel | None = None,
     max_state_bytes_per_rank: int | None = None,
+    held_numels: Sequence[int] | None = None,
 ) -> DPPlan:
     """Plan DP ownership of ``specs`` (in buffer order) over ``world_size`` ranks.
 
@@ -406,6 +412,13 @@ def plan_dp_partitions(
     pins on its owner; ``alpha_balanced`` minimises the busiest rank's memory once the busiest
     cost is as low as it gets. ``max_state_bytes_per_rank`` is a hard cap on that memory, bought
     with step time if needed; :class:`MemoryCapError` if no plan meets it.
+
+    ``held_numels`` (default: each spec's numel): per spec, the elements a rank's bucket buffers
+    hold of it, on which buckets close (``plan_buckets``). The tensor-parallel runtime plans
+    logical (whole-matrix) specs, so that costs price the whole matrix its host updates and every
+    TP rank agrees on the plan, and passes each tensor's largest TP slice here, so that a bucket
+    holds at most ``bucket_numel`` elements of what a rank actually reduces (or one larger tensor
+    alone). Costs, memory, cuts and offsets stay in the specs' elements.
     """
     specs = tuple(specs)
     if not specs:
@@ -425,10 +438,11 @@ def plan_dp_partitions(
         _check_positive_int("max_state_bytes_per_rank", max_state_bytes_per_rank)
     model = cost if cost is not None else cost_model("roofline", "muon")
     memory_model = memory if memory is not None else StateMemory()
-    tensor_ranges = plan_buckets(specs, bucket_numel, split_numel=split_numel)
+    held = _held_numels(specs, held_numels)
+    tensor_ranges = plan_buckets(specs, bucket_numel, split_numel=split_numel, held_numels=held)
     # The buckets before tensors in pieces had buckets of their own: every plan on them is a plan
     # on the finer buckets, and the cost-only plan on them is the step time never to exceed.
-    joint_ranges = plan_buckets(specs, bucket_numel) if split_numel is not None else tensor_ranges
+    joint_ranges = tensor_ranges if split_numel is None else plan_buckets(specs, bucket_numel, held_numels=held)
     joint = _expand_pieces(specs, joint_ranges, split_numel)[2] if joint_ranges != tensor_ranges else None
     specs, pieces, ranges = _expand_pieces(specs, tensor_ranges, split_numel)
     costs = tuple(_priced(model, model.cost, specs))
@@ -643,6 +657,20 @@ def _cap_error(specs: Sequence[ParamSpec], item_bytes: Sequence[float], world: i
 def _ratio(values: Sequence[float], total: float, world: int) -> float:
     average = total / world
     return max(values) / average if average > 0 else 1.0
+
+
+def _held_numels(specs: Sequence[ParamSpec], held_numels: Sequence[int] | None) -> list[int]:
+    """``held_numels`` checked against ``specs`` (one count >= 0 per spec), or the specs' own numels."""
+    if held_numels is None:
+        return [spec.numel for spec in specs]
+    held = list(held_numels)
+    if len(held) != len(specs):
+        raise PlanError(f"Invalid held_numels: {len(held)} counts for {len(specs)} specs.")
+    for spec, numel in zip(specs, held):
+        if isinstance(numel, bool) or not isinstance(numel, int) or not 0 <= numel <= spec.numel:
+            raise PlanError(f"Invalid held_numels entry {numel!r} for {spec.name!r}: must be an int in "
+                            f"[0, {spec.numel}] (a rank holds at most the whole tensor).")
+    return held
 
 
 def _check_positive_int(name: str, value: Any) -> None:

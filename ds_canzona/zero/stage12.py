@@ -130,6 +130,10 @@ class CanzonaZeroOptimizer(OwnerRuntime):
         """The shape the plan prices for each tensor: its own (the tensor-parallel runtime: its logical one)."""
         return [tuple(p.shape) for p in self.params]
 
+    def _held_numels(self) -> list[int] | None:
+        """Per tensor, the elements a rank's buffers hold of it, on which buckets close (None: the planned shapes')."""
+        return None
+
     def _buffer_layout(self) -> BufferLayout:
         """Where each plan item lies in this rank's flat buffers: the plan's own offsets without TP."""
         return BufferLayout.of_plan(self.plan)
@@ -144,7 +148,8 @@ class CanzonaZeroOptimizer(OwnerRuntime):
             return plan_dp_partitions(specs, world_size=self.world_size, bucket_numel=bucket_numel,
                                       alpha=self.config.alpha, strategy=self.config.strategy,
                                       cost=self._plan_cost_model(), split_numel=self.config.split_numel,
-                                      memory=self._plan_memory_model(), max_state_bytes_per_rank=cap)
+                                      memory=self._plan_memory_model(), max_state_bytes_per_rank=cap,
+                                      held_numels=self._held_numels())
         except MemoryCapError as error:  # before any buffer is allocated
             raise CanzonaConfigError(f"{CANZONA_SECTION}.{error}") from None
 

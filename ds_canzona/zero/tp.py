@@ -7,7 +7,9 @@ adds Canzona's micro-group pipeline for the sharded matrices:
 - The data-parallel plan is made from logical (unsharded) shapes, so it is the same on every rank
   of the mesh and every TP rank of a matrix agrees on its DP owner. Each rank's buffers hold its
   local slices in the plan's order (``layout.BufferLayout.local``), and the reduce-scatters and
-  all-gathers of ZeRO-1/2 run over the DP group on those slices.
+  all-gathers of ZeRO-1/2 run over the DP group on those slices. Buckets close at the bucket size
+  counted in slices (each tensor's largest over the TP group, ``_held_numels``), as DeepSpeed's
+  buckets do under AutoTP; the plan's costs stay those of the logical matrices.
 - A sharded matrix owned by DP rank d is updated by the TP group of d: its host (one TP rank,
   ``ds_canzona.plan.plan_tp_hosts``, by cost, in micro-groups of at most
   ``canzona.tp_micro_group_bytes`` gathered bytes per host) receives every slice of the clipped
@@ -91,6 +93,15 @@ class CanzonaTPZeroOptimizer(CanzonaZeroOptimizer):
                     "or out of AutoTP's partition config, or set tensor_parallel.autotp_size to 1")
         return [split.logical_shape if split else tuple(p.shape) for split, p in zip(self.splits, self.params)]
 
+    def _held_numels(self) -> list[int]:
+        # Buckets close on a TP slice, not on the logical tensor: a rank reduces only its slices, so
+        # logical counts would keep the unsharded model's bucket count at every TP size, each bucket
+        # about 1/TP full. The largest slice over the TP group rather than this rank's own: uneven
+        # splits (whole KV heads) differ between TP ranks, every rank of the world must make the
+        # same plan, and no rank's bucket then holds more than the bucket size.
+        return [p.numel() if split is None else max(split.local_numel(r) for r in range(self.tp_size))
+                for split, p in zip(self.splits, self.params)]
+
     def _is_tp_matrix(self, item: int) -> bool:
         tensor = self.plan.pieces[item][0]
         return self.splits[tensor] is not None and self.groups[tensor]["kind"] != "adamw"
@@ -129,7 +140,8 @@ class CanzonaTPZeroOptimizer(CanzonaZeroOptimizer):
     def plan_summary(self) -> str:
         lines = [super().plan_summary()]
         memory = self._plan_memory_model()
-        lines.append(f"ds_canzona TP: TP={self.tp_size}, micro-groups of at most {self.config.tp_micro_group_bytes} "
+        lines.append(f"ds_canzona TP: TP={self.tp_size}, buckets closing at {self.plan.bucket_numel} elements counted "
+                     f"in each tensor's largest TP slice, micro-groups of at most {self.config.tp_micro_group_bytes} "
                      "gathered bytes per host")
         for dp_rank, (items, tp_plan) in enumerate(self.tp_plans):
             costs = tp_plan.rank_costs()
