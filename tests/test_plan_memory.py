@@ -93,12 +93,17 @@ def test_memory_comes_second_to_the_makespan_on_qwen3_8b():
         plan = plan_dp_partitions(specs, world_size=world, bucket_numel=500_000_000, cost=roofline,
                                   split_numel=2**22)
         before_cost, before_memory = cost_only(plan)
+        # Within the target at the cost-only plan's makespan: none of MAKESPAN_OVER_COST_ONLY is spent.
         assert max(plan.rank_costs()) <= max(before_cost) * (1 + 1e-9)
         assert max(plan.rank_costs()) <= 1.02 * max(lpt_loads(plan.costs, world))
         average = sum(plan.memory) / world
-        # DP 32: 1.08 x the average (4.60 before); DP 64: 1.17 x (4.61 before) at LPT's makespan.
+        # DP 32: 1.14 x the average (1.24 before); DP 64: 1.22 x (3.50 before) at LPT's makespan.
+        # (At 10 launches per norm the cost-only plans held 4.60 and 4.61: pricing the norms at
+        # their share of CUDA's multi-tensor launches moved where the cost portfolio puts the pieces.)
         assert max(plan.rank_memory()) <= 1.25 * average
-        assert max(before_memory) > 4 * average
+        assert max(plan.rank_memory()) < max(before_memory)
+        if world == 64:
+            assert max(before_memory) > 3 * average
 
 
 def test_memory_cap_trades_step_time_and_errors_name_the_bound():
@@ -353,7 +358,9 @@ def default_plan(name: str, world: int, ns_method: str = "gram"):
                               split_numel=2**22)
 
 
-@pytest.mark.parametrize("ns_method, planned", [("gram", 1.346), ("standard", 1.550)])
+# Standard pricing held 1.550 when each norm cost 10 launches; at CUDA's multi-tensor share both
+# pricings reach the same 1.346, which the exact search below bounds from under within 1%.
+@pytest.mark.parametrize("ns_method, planned", [("gram", 1.346), ("standard", 1.346)])
 def test_qwen3_0_6b_at_dp128_memory_target_is_out_of_reach_under_the_contract(ns_method, planned):
     """The exact three-bucket search: no plan within 2% of LPT holds under 1.25x the average.
 

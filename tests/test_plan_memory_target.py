@@ -1,8 +1,9 @@
 """The default plan's memory target on every family, both Newton-Schulz pricings, DP 16 to 128.
 
 The target is max(1.25 x the average state bytes, 1.05 x the largest item); the busiest cost must
-stay within 2% of unconstrained LPT and never above the cost-only plan (the planner before memory
-counted, on the buckets as they were before tensors in pieces had their own). The full grid (11
+stay within 2% of unconstrained LPT and at most 2% above the cost-only plan (the planner before
+memory counted, on the buckets as they were before tensors in pieces had their own;
+``MAKESPAN_OVER_COST_ONLY``, which the planner spends only where memory is off target). The full grid (11
 families x 2 pricings x 4 DP sizes) takes about 40 CPU s here; this file plans a subset that still
 gives every family every DP size: each Qwen3 model two DP sizes per pricing, rotating, and the other
 families the standard pricing at every size (tests/test_plan_hf.py plans them with Gram at every
@@ -10,7 +11,8 @@ size). docs/PLANNER.md has the full grid, printed by
 ``python -m ds_canzona.bench balance --memory --families --ns-methods gram,standard``.
 
 Cells out of reach are not planned here but proven where they are: Qwen3-0.6B and 1.7B at DP=128
-in tests/test_plan_memory.py, Llama-3-8B at DP=128 with standard pricing below.
+in tests/test_plan_memory.py. Llama-3-8B at DP=128 with standard pricing is out of reach at the
+cost-only plan's makespan (below) and met with the 2% above it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import json
 import pytest
 
 from ds_canzona.plan import cost_model, lpt_loads, model_specs, plan_buckets, plan_dp_partitions, specs_from_hf_config
+from ds_canzona.plan._memory_fit import MAKESPAN_OVER_COST_ONLY
 from ds_canzona.plan.dp import alpha_balanced
 
 QWEN3 = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b")
@@ -30,11 +33,7 @@ BUCKET = 500_000_000
 
 # Proven out of reach (see the module docstring): not planned in the grid below.
 OUT_OF_REACH = {("qwen3-0.6b", "gram", 128), ("qwen3-0.6b", "standard", 128), ("qwen3-1.7b", "gram", 128),
-                ("qwen3-1.7b", "standard", 128), ("llama3-8b", "standard", 128)}
-# Missed, not proven out of reach: in any buffer order a rank mix under the target exists (an
-# integer program over the item classes, run outside the repository, finds one), but the planner
-# does not find one under the ownership contract. The bound keeps them from getting worse.
-MISSED = {("qwen3-14b", "standard", 32): 1.319, ("qwen3-1.7b", "gram", 64): 1.267}
+                ("qwen3-1.7b", "standard", 128)}
 
 
 def _cells() -> list[tuple[str, str, int]]:
@@ -43,7 +42,7 @@ def _cells() -> list[tuple[str, str, int]]:
         for method, offsets in (("gram", (0, 2)), ("standard", (1, 3))):
             cells += [(name, method, DP_SIZES[(index + offset) % 4]) for offset in offsets]
     cells += [(name, "standard", dp) for name in OTHERS for dp in DP_SIZES]
-    cells.append(("qwen3-1.7b", "gram", 64))  # a missed cell the rotation skips
+    cells.append(("qwen3-1.7b", "gram", 64))  # missed at 1.266 before the slack; the rotation skips it
     return [cell for cell in dict.fromkeys(cells) if cell not in OUT_OF_REACH]
 
 
@@ -91,23 +90,19 @@ def test_memory_target_holds(name, method, world, folder):
     specs, plan = _plan(name, method, world, folder)
     busiest = max(plan.rank_costs())
     assert busiest <= 1.02 * max(lpt_loads(plan.costs, world)) * (1 + 1e-12)
-    assert busiest <= _cost_only_makespan(specs, plan) * (1 + 1e-9)
+    assert busiest <= (1 + MAKESPAN_OVER_COST_ONLY) * _cost_only_makespan(specs, plan) * (1 + 1e-9)
     average = sum(plan.memory) / world
     target = max(1.25 * average, 1.05 * max(plan.memory))
-    missed = MISSED.get((name, method, world))
-    if missed is None:
-        assert max(plan.rank_memory()) <= target, plan.state_bytes_ratio
-    else:
-        assert target < max(plan.rank_memory()) <= missed * average, plan.state_bytes_ratio
+    assert max(plan.rank_memory()) <= target, plan.state_bytes_ratio
 
 
-def test_llama3_8b_at_dp128_standard_memory_target_is_out_of_reach_in_any_order(folder):
+def test_llama3_8b_at_dp128_standard_memory_target_needs_time_above_the_cost_only_plan(folder):
     """At the cost-only plan's makespan, an MLP matrix alone: the other ranks cannot hold the rest under the target.
 
     With standard Newton-Schulz pricing the cost-only plan's busiest rank is one MLP matrix (LPT's
-    too), and that is the most step time the memory criterion may spend. Every other item costs
-    something, so each of the 96 MLP ranks holds its MLP alone; the other 32 hold everything else,
-    on average over 1.25x the average bytes.
+    too). At that step time every other item costs something, so each of the 96 MLP ranks holds
+    its MLP alone; the other 32 hold everything else, on average over 1.25x the average bytes: in
+    any order, out of reach. Above it (``MAKESPAN_OVER_COST_ONLY``) the plan meets the target.
     """
     world = 128
     specs, plan = _plan("llama3-8b", "standard", world, folder)
@@ -122,4 +117,5 @@ def test_llama3_8b_at_dp128_standard_memory_target_is_out_of_reach_in_any_order(
     average = sum(plan.memory) / world
     assert rest / others > 1.25 * average and 1.25 * average > 1.05 * max(plan.memory)
     assert rest / others / average == pytest.approx(1.332, abs=5e-4)
-    assert max(plan.rank_costs()) <= ceiling * (1 + 1e-9)
+    assert ceiling < max(plan.rank_costs()) <= (1 + MAKESPAN_OVER_COST_ONLY) * ceiling * (1 + 1e-9)
+    assert max(plan.rank_memory()) <= 1.25 * average

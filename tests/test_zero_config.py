@@ -140,9 +140,10 @@ def _plan_cost_labels(rank, world_size, sections):
 def test_cost_model_and_machine_balance_reach_the_plan():
     sections = [{}, {"machine_balance": 7.5}, {"cost_model": "flops"}, {"cost_model": "numel"}, {"launch_bytes": 0}]
     default, configured, flops, numel, no_floor = run_ranks(_plan_cost_labels, 1, sections, timeout=240)[0]
-    # Default: roofline priced with the matrix group's own Newton-Schulz settings and the CPU's balance
-    # and launch floor (ds_canzona.plan.cost.DEFAULT_LAUNCH_BYTES).
-    assert default.startswith("roofline:muon(") and default.endswith("launch_bytes=15000,machine_balance=30)"), default
+    # Default: roofline priced with the matrix group's own Newton-Schulz settings and the CPU's balance,
+    # launch floor (ds_canzona.plan.cost.DEFAULT_LAUNCH_BYTES) and per-tensor AdamW launches (device=cpu).
+    assert default.startswith("roofline:muon(") and default.endswith(
+        ",device=cpu,launch_bytes=15000,machine_balance=30)"), default
     assert configured.endswith("machine_balance=7.5)"), configured
     assert no_floor.endswith("launch_bytes=0,machine_balance=30)"), no_floor
     assert flops.startswith("flops:muon(") and numel == "numel"

@@ -169,7 +169,7 @@ def makespan_study(models: Sequence[str], *, scale: int, dps: Sequence[int], buc
     memory = memory_model("muon", param_bytes=4)  # the shapes are timed in fp32
 
     cost = cost_model("roofline", "muon", machine_balance=machine_balance, ns_method=ns_method,
-                      launch_bytes=default_launch_bytes("cpu"))  # the timings it scores are the CPU's
+                      launch_bytes=default_launch_bytes("cpu"), device="cpu")  # the timings it scores are the CPU's
     flops = cost_model("flops", "muon", ns_method=ns_method)
     rows: list[MakespanRow] = []
     timings: dict[str, Any] = {}

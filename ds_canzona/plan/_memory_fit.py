@@ -7,11 +7,12 @@ above the cost portfolio's own plan. Then, among plans that keep every rank's co
 that makespan C, the smallest busiest-rank memory (bytes of master, optimizer state and gradient
 segment, from a ``MemoryModel``). If that memory is above the target (``MEMORY_OVER_AVERAGE`` x
 the average, ``MEMORY_OVER_LARGEST`` x the largest item), C may rise to the least value that
-reaches it, within ``MAKESPAN_OVER_LPT`` of unconstrained LPT and never above the cost portfolio's
-plan. That plan is the planner's before memory counted: when tensors in pieces have buckets of their
-own (``plan_buckets``), the cost portfolio on the joint buckets they had before (``reference_owner``,
-a valid plan on the finer buckets too), which also joins the candidates. A hard cap raises C as
-far as needed.
+reaches it, within ``MAKESPAN_OVER_LPT`` of unconstrained LPT and up to the cost portfolio's plan;
+where that does not reach it, up to ``MAKESPAN_OVER_COST_ONLY`` above that plan, kept only if it
+reaches it. That plan is the planner's before memory counted: when tensors in pieces have
+buckets of their own (``plan_buckets``), the cost portfolio on the joint buckets they had before
+(``reference_owner``, a valid plan on the finer buckets too), which also joins the candidates. A
+hard cap raises C as far as needed.
 
 Rocks and sand. Matrices are *rocks*: few, lumpy, and they set the makespan. Non-matrix items
 (norms, biases and the pieces of embeddings and heads) are *sand*: fine-grained, cheap per byte
@@ -65,10 +66,22 @@ SAME_MAKESPAN = 1e-9
 MAKESPAN_TOLERANCE = 0.005
 # When the busiest rank's memory is above MEMORY_OVER_AVERAGE x the average and MEMORY_OVER_LARGEST
 # x the largest item, the makespan may rise, up to MAKESPAN_OVER_LPT above unconstrained LPT on the
-# same items (and never above the cost portfolio's plan), to the least makespan that gets it there.
+# same items and MAKESPAN_OVER_COST_ONLY above the cost portfolio's plan (the planner before memory
+# counted), to the least makespan that gets it there.
 MEMORY_OVER_AVERAGE = 1.25
 MEMORY_OVER_LARGEST = 1.05
 MAKESPAN_OVER_LPT = 0.02
+# The cost-only plan is a packing heuristic's, not a bound: where it lands at or near LPT's
+# makespan, holding the memory criterion to it leaves nothing to buy memory with (Llama-3-8B at
+# DP=128: its makespan is one MLP matrix), and a cost model that prices small items lower (AdamW's
+# multi-tensor launches on CUDA) tightens it on plans that were within target. A step up to 2%
+# slower for a busiest rank that no longer holds 1.3-1.8x the average state is the trade the
+# criterion exists for; so step time above the cost-only plan is spent only where it reaches the
+# target (where it does not, a hundredth of a percent less memory is not worth 0.7% of a step:
+# Qwen3-0.6B at DP=128), and MAKESPAN_OVER_LPT still bounds it, so no plan is further above LPT
+# than before. 1% met the target in 82 of the 88 cells of docs/PLANNER.md's grid, 2% in 84 (the
+# other four proven out of reach).
+MAKESPAN_OVER_COST_ONLY = 0.02
 # When memory misses the target, rocks also come from the cost portfolio run on cost + w x bytes
 # (bytes in cost units: an average rank's bytes weigh an average rank's cost), for each w here.
 BLEND_WEIGHTS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0)
@@ -383,13 +396,15 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
             if pourable:
                 pourings.append(_Pouring(problem, memory, sand, three))
                 candidates.append(_polished(problem, pourings[-1].fewest_cost(problem.lower_bound())))
-    # The makespan: the best found (give or take MAKESPAN_TOLERANCE); up to the budget if that buys
-    # memory down to the target, never above the cost portfolio's own plan (see the module docstring).
+    # The makespan: the best found (give or take MAKESPAN_TOLERANCE), never above the cost
+    # portfolio's own plan; up to the budget if that buys memory down to the target (see the
+    # module docstring and MAKESPAN_OVER_COST_ONLY).
     best_makespan = min(_max_load(world, owner, problem.costs) for owner in candidates)
     portfolio_makespan = _max_load(world, ceiling_owner, problem.costs)
     makespan = min(portfolio_makespan, best_makespan * (1.0 + MAKESPAN_TOLERANCE))
     over_lpt = (1.0 + MAKESPAN_OVER_LPT) * lpt_makespan
-    budget = min(portfolio_makespan, max(makespan, over_lpt))
+    strict_budget = min(portfolio_makespan, max(makespan, over_lpt))
+    budget = min((1.0 + MAKESPAN_OVER_COST_ONLY) * portfolio_makespan, max(makespan, over_lpt))
     memory_target = max(MEMORY_OVER_AVERAGE * total_memory / world,
                         MEMORY_OVER_LARGEST * max(memory, default=0.0))
     # Where the search is worth its two-step exchanges: above the target, or the cap if lower.
@@ -456,68 +471,82 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
         # Off target: rocks placed for memory may pour better at the same makespan.
         add_memory_rocks()
         owner, peak = best_at(makespan)
-    if peak > memory_target and budget > makespan * (1.0 + FIT_TOLERANCE):
-        # Buy memory with step time, within the budget: the least makespan that reaches the target,
-        # or, if none does, the budget's own plan when it holds less memory.
-        loose, loose_peak = best_at(budget)
-        if loose_peak < peak:
-            low, high = makespan, budget
-            owner, peak = loose, loose_peak
-            while loose_peak <= memory_target and high > low * (1.0 + FIT_TOLERANCE):
-                middle = (low + high) / 2.0
-                trial, trial_peak = best_at(middle)
-                if trial_peak <= memory_target:
-                    owner, peak, high = trial, trial_peak, middle
-                else:
-                    low = middle
-    if peak > memory_target and pourable:
-        # Still off target: rocks placed at a slightly looser makespan, with the sand poured again
-        # around them at the budget (see ``LOOSER_ROCKS``).
-        for looser in LOOSER_ROCKS:
-            rocks_owner, _ = best_at(budget * (1.0 + looser))
-            poured = _Pouring(problem, memory, sand, rocks_owner, rockless_only=True).fewest_memory(budget, memory_bound)
-            if poured is None:
-                continue
-            assignment = _assignment(problem, poured)
-            search = MemorySearch(problem, assignment, memory, budget, budget=_memory_budget(problem), chains=chains,
-                                  goal=goal)
-            search.run()
-            if search.memory_loads.max_load() < peak:
-                owner, peak = assignment.owner, search.memory_loads.max_load()
-            if peak <= memory_target:
-                break
-    if peak > memory_target and len(problem.buckets) == 3 and not problem.capped:
-        # Three buckets (a small tied model): the exact search with the memory target as a second
-        # capacity, at the makespan, else at the budget bisected down (``THREE_CHAIN_STEPS``).
-        high_owner = owner_at(problem, [makespan], memory=memory, memory_capacity=memory_target)
-        low, high = makespan, makespan
-        if high_owner is None and budget > makespan:
-            high_owner = owner_at(problem, [budget], memory=memory, memory_capacity=memory_target)
-            high = budget
-        if high_owner is not None:
-            for _ in range(THREE_CHAIN_STEPS if high > low else 0):
-                middle = (low + high) / 2.0
-                trial = owner_at(problem, [middle], memory=memory, memory_capacity=memory_target)
-                if trial is None:
-                    low = middle
-                else:
-                    high_owner, high = trial, middle
-            candidates.append(high_owner)
-            owner, peak = best_at(high)
-        else:
-            # Out of reach at the budget: the least memory the search finds there, bisected on the
-            # memory capacity between the target and the plan so far.
-            floor_memory, ceiling_memory = memory_target, peak
-            for _ in range(THREE_CHAIN_STEPS):
-                middle = (floor_memory + ceiling_memory) / 2.0
-                trial = owner_at(problem, [budget], memory=memory, memory_capacity=middle)
-                if trial is None:
-                    floor_memory = middle
-                else:
-                    high_owner, ceiling_memory = trial, middle
+
+    def bought(budget: float, owner: list[int], peak: float) -> tuple[list[int], float]:
+        """Memory bought with step time up to ``budget``: the least makespan that reaches the target, else
+        the least memory found at the budget (``owner``, ``peak``: the plan at the makespan)."""
+        if peak > memory_target and budget > makespan * (1.0 + FIT_TOLERANCE):
+            # Buy memory with step time, within the budget: the least makespan that reaches the target,
+            # or, if none does, the budget's own plan when it holds less memory.
+            loose, loose_peak = best_at(budget)
+            if loose_peak < peak:
+                low, high = makespan, budget
+                owner, peak = loose, loose_peak
+                while loose_peak <= memory_target and high > low * (1.0 + FIT_TOLERANCE):
+                    middle = (low + high) / 2.0
+                    trial, trial_peak = best_at(middle)
+                    if trial_peak <= memory_target:
+                        owner, peak, high = trial, trial_peak, middle
+                    else:
+                        low = middle
+        if peak > memory_target and pourable:
+            # Still off target: rocks placed at a slightly looser makespan, with the sand poured again
+            # around them at the budget (see ``LOOSER_ROCKS``).
+            for looser in LOOSER_ROCKS:
+                rocks_owner, _ = best_at(budget * (1.0 + looser))
+                poured = _Pouring(problem, memory, sand, rocks_owner, rockless_only=True).fewest_memory(budget, memory_bound)
+                if poured is None:
+                    continue
+                assignment = _assignment(problem, poured)
+                search = MemorySearch(problem, assignment, memory, budget, budget=_memory_budget(problem), chains=chains,
+                                      goal=goal)
+                search.run()
+                if search.memory_loads.max_load() < peak:
+                    owner, peak = assignment.owner, search.memory_loads.max_load()
+                if peak <= memory_target:
+                    break
+        if peak > memory_target and len(problem.buckets) == 3 and not problem.capped:
+            # Three buckets (a small tied model): the exact search with the memory target as a second
+            # capacity, at the makespan, else at the budget bisected down (``THREE_CHAIN_STEPS``).
+            high_owner = owner_at(problem, [makespan], memory=memory, memory_capacity=memory_target)
+            low, high = makespan, makespan
+            if high_owner is None and budget > makespan:
+                high_owner = owner_at(problem, [budget], memory=memory, memory_capacity=memory_target)
+                high = budget
             if high_owner is not None:
+                for _ in range(THREE_CHAIN_STEPS if high > low else 0):
+                    middle = (low + high) / 2.0
+                    trial = owner_at(problem, [middle], memory=memory, memory_capacity=memory_target)
+                    if trial is None:
+                        low = middle
+                    else:
+                        high_owner, high = trial, middle
                 candidates.append(high_owner)
-                owner, peak = best_at(budget)
+                owner, peak = best_at(high)
+            else:
+                # Out of reach at the budget: the least memory the search finds there, bisected on the
+                # memory capacity between the target and the plan so far.
+                floor_memory, ceiling_memory = memory_target, peak
+                for _ in range(THREE_CHAIN_STEPS):
+                    middle = (floor_memory + ceiling_memory) / 2.0
+                    trial = owner_at(problem, [budget], memory=memory, memory_capacity=middle)
+                    if trial is None:
+                        floor_memory = middle
+                    else:
+                        high_owner, ceiling_memory = trial, middle
+                if high_owner is not None:
+                    candidates.append(high_owner)
+                    owner, peak = best_at(budget)
+        return owner, peak
+
+    # Step time up to the cost-only plan first, as much as that buys; above it (MAKESPAN_OVER_COST_ONLY),
+    # only a plan within the target is worth it, the least makespan that gets there.
+    at_makespan = (owner, peak)
+    owner, peak = bought(strict_budget, owner, peak)
+    if peak > memory_target and budget > strict_budget * (1.0 + SAME_MAKESPAN):
+        reached, reached_peak = bought(budget, *at_makespan)
+        if reached_peak <= memory_target:
+            owner, peak = reached, reached_peak
     if memory_cap is None or peak <= memory_cap:
         return FitResult(owner=owner, makespan=_max_load(world, owner, problem.costs), peak_memory=peak)
 

@@ -17,7 +17,8 @@ A cost model is a small object with a ``name`` and one method, ``cost(spec) -> f
   a big embedding under AdamW then looks free; measured on one CPU thread, AdamW on a
   37984 x 1024 embedding takes 3.3x as long as Muon on a 1024 x 1024 matrix (docs/PLANNER.md).
   The second term is a floor per item: a step launches a fixed number of kernels whatever the
-  tensor's size (AdamW 10, Muon about 70 per matrix), each taking a launch latency, so a rank
+  tensor's size (Muon about 70 per matrix; AdamW 10 per tensor on the CPU, a share of a few
+  multi-tensor launches on CUDA: ``adamw_launches``), each taking a launch latency, so a rank
   that owns thousands of norms is not free. ``launch_bytes`` is that latency in the model's unit:
   the elementwise bytes the device moves in the time of one launch (launch seconds x elementwise
   bytes/s), so that ``machine_balance · launch_bytes`` is one launch in matmul FLOPs. It is a
@@ -56,6 +57,7 @@ __all__ = [
     "RooflineCost",
     "StepWork",
     "adamw_flops",
+    "adamw_launches",
     "cost_model",
     "default_launch_bytes",
     "default_machine_balance",
@@ -117,10 +119,26 @@ DEFAULT_MACHINE_BALANCE = {"cpu": 30.0, "cuda": 150.0}
 # CPU, and wherever the Triton kernels are off): every dispatched op that writes a tensor of one
 # or more dims; views and the 0-dim step counter do not count (tests/test_plan_cost.py counts them
 # from the rules). Weight decay is counted on (one launch). AdamW: lerp of m, g², lerp of v, two
-# bias corrections, sqrt, + eps, divide, decay, update: the per-tensor sequence. The rule now runs in
-# foreach groups (3 launches for a tensor alone, about 10 for a group of n); this count is not yet
-# updated to that, since it re-plans every model (docs/NOTES.md, session 7).
+# bias corrections, sqrt, + eps, divide, decay, update: ten operations, each one torch foreach op
+# over the group of AdamW tensors a rank owns (ds_canzona.optim.adamw). How many kernels a foreach
+# op launches depends on the device: the CPU has no multi-tensor kernels, and its foreach ops run
+# the per-tensor op once per tensor (ADAMW_LAUNCHES per tensor); CUDA packs the whole list into
+# few launches (_ADAMW_FOREACH_DEPTHS and adamw_launches).
 ADAMW_LAUNCHES = 10
+# The tensor lists each of those ten ops hands torch's multi_tensor_apply (its "depth": the lists
+# read and written, an out-of-place op's output included), in the rule's order: lerp_ (m, g), mul
+# (g, g, g²), lerp_ (v, g²), the two bias corrections as out-of-place scalar products (m, m̂ and
+# v, v̂), sqrt_ (v̂), add_ of eps (v̂), div_ (m̂, v̂), the decay mul_ (p), the update add_ (p, m̂).
+_ADAMW_FOREACH_DEPTHS = (2, 3, 2, 2, 2, 1, 1, 2, 1, 2)
+# torch's multi_tensor_apply (aten/src/ATen/native/cuda/MultiTensorApply.cuh, torch 2.13) cuts
+# every tensor into chunks of 65536 elements and launches one kernel whenever the launch holds
+# depth_to_max_tensors[depth - 1] tensors or 320 chunks, and once more for what is left. Assumed:
+# the tables of builds before CUDA 13 (kernel arguments limited to 4 KB): 110, 64 and 48 tensors
+# at depths 1, 2 and 3. CUDA 13 builds take 32 KB of arguments and pack about 7x more (770, 448,
+# 336 tensors, 2240 chunks); with those, launches per small tensor are a seventh of these.
+_MTA_CHUNK_NUMEL = 65536
+_MTA_MAX_CHUNKS = 320
+_MTA_MAX_TENSORS = {1: 110, 2: 64, 3: 48}
 # Muon per tensor: momentum lerp, Nesterov lerp, decay, update; per matrix: the Frobenius norm, its
 # scale, + eps, the divide; one more to make a tall matrix's transpose contiguous, and for a stack
 # of matrices one output allocation per tensor and one copy per matrix. Newton-Schulz: see
@@ -244,15 +262,32 @@ def newton_schulz_launches(rows: int, cols: int, *, steps: int = 5, method: str 
     return launches
 
 
-def step_launches(spec: ParamSpec, optimizer: str = "muon", **options: Any) -> float:
+def adamw_launches(numel: int, device: str = "cuda") -> float:
+    """Kernel launches one AdamW step on a tensor of ``numel`` elements takes, as its share of a foreach group.
+
+    ``device`` "cpu": ``ADAMW_LAUNCHES``, one per operation (the CPU runs a foreach op tensor by
+    tensor). Any other device is taken to be CUDA: per operation, the tensor's share of torch's
+    multi-tensor launches (see ``_MTA_MAX_TENSORS``), the larger of one slot of a launch's tensors
+    and its chunks over a launch's chunks. The share is of a full launch: a rank's group of many
+    small tensors fills its launches but the last; a group of one tensor still takes a whole
+    launch per operation, which this does not charge, since the planner prices each tensor alone.
+    """
+    if device == "cpu":
+        return float(ADAMW_LAUNCHES)
+    chunks = -(-numel // _MTA_CHUNK_NUMEL)
+    return sum(max(1.0 / _MTA_MAX_TENSORS[depth], chunks / _MTA_MAX_CHUNKS) for depth in _ADAMW_FOREACH_DEPTHS)
+
+
+def step_launches(spec: ParamSpec, optimizer: str = "muon", *, device: str = "cuda", **options: Any) -> float:
     """Kernel launches of one step on ``spec``: ``optimizer`` for a matrix, AdamW otherwise.
 
     Shampoo's and SOAP's refreshes are amortised over ``precondition_frequency``; a TP shard
     carries 1/tp_size of its matrix's launches, as of its work. The counts are in the constants
-    above; every launch costs the same, ``launch_bytes``, in :meth:`StepWork.roofline`.
+    above; every launch costs the same, ``launch_bytes``, in :meth:`StepWork.roofline`. ``device``
+    matters for AdamW alone (:func:`adamw_launches`): the matrix rules launch per tensor everywhere.
     """
     if not spec.matrix:
-        return float(ADAMW_LAUNCHES)
+        return adamw_launches(spec.numel, device)
     merged = {**_OPTIMIZER_DEFAULTS[optimizer], **options}
     count, rows, cols = _matrix_stack(spec.matrix_stack)
     if optimizer == "muon":
@@ -352,8 +387,8 @@ class StepWork:
         return max(work, machine_balance * launch_bytes * self.launches)
 
 
-def _adamw_work(numel: int) -> StepWork:
-    return StepWork(0.0, adamw_flops(numel), float(ADAMW_ACCESSES_PER_ELEMENT * numel), float(ADAMW_LAUNCHES))
+def _adamw_work(numel: int, device: str) -> StepWork:
+    return StepWork(0.0, adamw_flops(numel), float(ADAMW_ACCESSES_PER_ELEMENT * numel), adamw_launches(numel, device))
 
 
 def _muon_work(shape: tuple[int, ...], *, ns_steps: int = 5, ns_method: str = "gram") -> StepWork:
@@ -451,10 +486,13 @@ _OPTIMIZER_WORK: dict[str, Callable[..., StepWork]] = {"muon": _muon_work, "sham
                                                         "adamuon": _adamuon_work}
 
 
-def optimizer_work(spec: ParamSpec, optimizer: str = "muon", **options: Any) -> StepWork:
-    """The work of one step on ``spec``: ``optimizer`` for a matrix, AdamW otherwise (TP: 1/tp_size each)."""
+def optimizer_work(spec: ParamSpec, optimizer: str = "muon", *, device: str = "cuda", **options: Any) -> StepWork:
+    """The work of one step on ``spec``: ``optimizer`` for a matrix, AdamW otherwise (TP: 1/tp_size each).
+
+    ``device`` ("cpu", "cuda", ...) sets how AdamW's foreach operations launch (:func:`adamw_launches`).
+    """
     if not spec.matrix:
-        return _adamw_work(spec.numel)
+        return _adamw_work(spec.numel, device)
     work = _OPTIMIZER_WORK[optimizer](spec.matrix_stack, **options)
     return StepWork(work.matmul_flops / spec.tp_size, work.elementwise_flops / spec.tp_size,
                     work.elementwise_accesses / spec.tp_size, step_launches(spec, optimizer, **options))
@@ -533,10 +571,14 @@ class RooflineCost(FlopsCost):
 
     machine_balance: float = DEFAULT_MACHINE_BALANCE["cuda"]
     launch_bytes: float = DEFAULT_LAUNCH_BYTES["cuda"]
+    # The device kind the step runs on: how AdamW's foreach operations launch (adamw_launches).
+    device: str = "cuda"
     name: ClassVar[str] = "roofline"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not isinstance(self.device, str) or not self.device:
+            raise PlanError(f"Invalid device={self.device!r}: must be a device kind such as 'cpu' or 'cuda'.")
         if isinstance(self.machine_balance, bool) or not isinstance(self.machine_balance, (int, float)) \
                 or not math.isfinite(self.machine_balance) or self.machine_balance <= 0:
             raise PlanError(f"Invalid machine_balance={self.machine_balance!r}: must be a finite number > 0 "
@@ -553,11 +595,11 @@ class RooflineCost(FlopsCost):
     def label(self) -> str:
         # machine_balance stays last: tools read the label's end for it.
         settings = ",".join(f"{key}={value}" for key, value in self.options)
-        return (f"roofline:{self.optimizer}({settings},launch_bytes={self.launch_bytes:g},"
+        return (f"roofline:{self.optimizer}({settings},device={self.device},launch_bytes={self.launch_bytes:g},"
                 f"machine_balance={self.machine_balance:g})")
 
     def cost(self, spec: ParamSpec) -> float:
-        return optimizer_work(spec, self.optimizer, **dict(self.options)).roofline(
+        return optimizer_work(spec, self.optimizer, device=self.device, **dict(self.options)).roofline(
             self.machine_balance, launch_bytes=self.launch_bytes)
 
 
@@ -575,17 +617,19 @@ def default_launch_bytes(device: str) -> float:
 
 
 def cost_model(name: str = "flops", optimizer: str = "muon", *, machine_balance: float | None = None,
-               launch_bytes: float | None = None, **options: Any) -> CostModel:
+               launch_bytes: float | None = None, device: str | None = None, **options: Any) -> CostModel:
     """Build a cost model: ``numel``, ``flops`` or ``roofline`` of ``optimizer`` with its options.
 
     Options: Muon ``ns_steps`` (5), ``ns_method`` ("gram" or "standard"); NorMuon and AdaMuon
     Muon's and ``lr_scaling`` ("original" / "match_rms_adamw"), AdaMuon ``sign_momentum`` (True); Shampoo and SOAP
     ``precondition_frequency`` (100 / 10) and ``max_preconditioner_dim`` (1024 / 10000).
-    Roofline only: ``machine_balance``, matmul FLOP/s over elementwise bytes/s of the device
-    (default: ``DEFAULT_MACHINE_BALANCE["cuda"]``), and ``launch_bytes``, one kernel launch in
-    elementwise bytes (default: ``DEFAULT_LAUNCH_BYTES["cuda"]``; 0: no launch floor).
+    Roofline only: ``device``, the device kind the step runs on (default "cuda"; it sets how AdamW's
+    foreach operations launch, and the two defaults that follow), ``machine_balance``, matmul
+    FLOP/s over elementwise bytes/s of the device (default: ``default_machine_balance(device)``),
+    and ``launch_bytes``, one kernel launch in elementwise bytes (default:
+    ``default_launch_bytes(device)``; 0: no launch floor).
     """
-    for key, value in (("machine_balance", machine_balance), ("launch_bytes", launch_bytes)):
+    for key, value in (("machine_balance", machine_balance), ("launch_bytes", launch_bytes), ("device", device)):
         if name != "roofline" and value is not None:
             raise PlanError(f"{key} applies to the roofline cost model only, not {name!r}.")
     if name == "numel":
@@ -595,10 +639,11 @@ def cost_model(name: str = "flops", optimizer: str = "muon", *, machine_balance:
     if name == "flops":
         return FlopsCost(optimizer=optimizer, options=tuple(sorted(options.items())))
     if name == "roofline":
-        balance = DEFAULT_MACHINE_BALANCE["cuda"] if machine_balance is None else machine_balance
-        launch = DEFAULT_LAUNCH_BYTES["cuda"] if launch_bytes is None else launch_bytes
+        kind = "cuda" if device is None else device
+        balance = default_machine_balance(kind) if machine_balance is None else machine_balance
+        launch = default_launch_bytes(kind) if launch_bytes is None else launch_bytes
         return RooflineCost(optimizer=optimizer, options=tuple(sorted(options.items())), machine_balance=balance,
-                            launch_bytes=launch)
+                            launch_bytes=launch, device=kind)
     raise PlanError(f"Invalid cost model name={name!r}: must be one of {', '.join(map(repr, COST_MODELS))}.")
 
 

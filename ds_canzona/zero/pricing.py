@@ -43,6 +43,7 @@ def plan_cost_model(config, names: list[str], groups: list[dict], device_name: s
         options["machine_balance"] = config.machine_balance or default_machine_balance(device_name)
         launch = config.launch_bytes
         options["launch_bytes"] = default_launch_bytes(device_name) if launch is None else launch
+        options["device"] = device_name
     models: dict[tuple, CostModel] = {}
     by_name: dict[str, CostModel] = {}
     for name, group in zip(names, groups):
