@@ -55,10 +55,10 @@ TP = 2
 TP_DP = 2
 TINY = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "qwen3-tiny.json")
 BUCKET_NUMEL = 4000  # a few buckets on the tiny model
-# No parameter persistent (the tiny model's are all below DeepSpeed's default threshold), none kept
-# for reuse, and a prefetch of a few parameters (the default reaches across the whole tiny model,
-# and a parameter whose next use was prefetched is kept), so every module is fetched in forward and
-# again in backward, and a prefetch still coalesces several parameters.
+# The fetch comparison's config: no parameter persistent (the tiny model's are all below DeepSpeed's
+# default threshold), none kept for reuse, and a prefetch of a few parameters (the default reaches
+# across the whole tiny model), so forward fetches every module, a prefetch coalescing several
+# parameters; the test also runs it with prefetching off, where backward fetches every module again.
 ZERO3_EVERY_MODULE_FETCHED = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
                               "stage3_prefetch_bucket_size": 2000}
 
@@ -140,8 +140,10 @@ def _zero3_with_and_without_rearranging(log) -> dict:
                         return _replacement(*args, **kwargs)
 
                     setattr(owner, name, counted)  # restored by the context's exit, which saved the original
+            # No parameter persistent (the tiny model's are all below DeepSpeed's default threshold),
+            # so every module is fetched and the prefetch coalesces several parameters per fetch.
             engine = build_engine("deepspeed", 3, WORLD, {"hf_config": TINY}, bucket_numel=BUCKET_NUMEL,
-                                  zero_overrides=ZERO3_EVERY_MODULE_FETCHED)
+                                  zero_overrides={"stage3_param_persistence_threshold": 0})
             steps = count_steps(engine, log, stage=3, steps=3)
             partitions = [p.ds_tensor.detach().clone() for p in engine.module.parameters()]
             engine.destroy()
