@@ -1,6 +1,15 @@
 """ds_canzona: load-balanced matrix optimizers (Muon, Shampoo, SOAP) for DeepSpeed ZeRO."""
 
+import os
+import sys
+
 from setuptools import setup
+
+# Build tools load plugins while this file runs (HuggingFace's `kernels` package registers an
+# egg_info writer); with the checkout on sys.path, `import kernels` would find this repository's
+# kernels/ instead of theirs and the install would fail. Nothing here imports from the checkout.
+_CHECKOUT = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _CHECKOUT]
 
 setup(
     name="ds_canzona",
