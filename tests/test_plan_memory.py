@@ -352,6 +352,35 @@ def test_three_chain_search_with_a_memory_capacity_equals_brute_force():
     assert 10 < found < 70  # both answers are exercised
 
 
+def test_three_chain_prunes_keep_the_plain_searchs_answer_and_layout():
+    """Dropping states the ranks left cannot finish, and extending only to the end at the last rank,
+    changes neither whether a capacity is feasible nor the layout found (the brute-force tests above
+    are small; these problems are too large for them)."""
+    import itertools
+    import random
+
+    from ds_canzona.plan._three_chains import _layout
+
+    rng = random.Random(11)
+    feasible = 0
+    for _ in range(60):
+        sizes = [rng.randint(1, 9) for _ in range(3)]
+        world = rng.randint(1, 6)
+        costs = [[float(rng.randint(1, 20)) for _ in range(n)] for n in sizes]
+        memory = [[float(rng.randint(1, 20)) for _ in range(n)] for n in sizes]
+        prefixes = [list(itertools.accumulate(chain, initial=0.0)) for chain in costs]
+        bytes_prefixes = [list(itertools.accumulate(chain, initial=0.0)) for chain in memory]
+        average = sum(p[-1] for p in prefixes) / world
+        capacity = average * rng.choice([1.0, 1.05, 1.2, 1.5, 3.0])
+        memory_capacity = sum(p[-1] for p in bytes_prefixes) / world * rng.choice([1.0, 1.1, 1.3, 2.0, 10.0])
+        pruned = _layout(prefixes, world, capacity, bytes_prefixes, memory_capacity)
+        plain = _layout(prefixes, world, capacity, bytes_prefixes, memory_capacity, prune=False)
+        assert pruned == plain, (sizes, world, capacity, memory_capacity)
+        assert _layout(prefixes, world, capacity) == _layout(prefixes, world, capacity, prune=False)
+        feasible += pruned is not None
+    assert 10 < feasible < 50  # both answers are exercised
+
+
 def default_plan(name: str, world: int, ns_method: str = "gram"):
     roofline = cost_model("roofline", "muon", machine_balance=150.0, ns_method=ns_method)
     return plan_dp_partitions(model_specs(name), world_size=world, bucket_numel=500_000_000, cost=roofline,
