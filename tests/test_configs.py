@@ -142,23 +142,49 @@ def train_two_steps(rank: int, world_size: int, path: str) -> dict:
             "dtype": str(next(engine.module.parameters()).dtype)}
 
 
-def skip_unless_the_accelerator_has_its_dtype(config: dict) -> None:
+def train_each_config(rank: int, world_size: int, paths: list[str]) -> dict:
+    """Every config in turn, in one world (a spawn costs ~10 s here): its result, or its traceback."""
+    import gc
+    import traceback
+
+    results = {}
+    for path in paths:
+        try:
+            results[path] = train_two_steps(rank, world_size, path)
+        except Exception:
+            results[path] = traceback.format_exc()
+        gc.collect()
+    return results
+
+
+def accelerator_lacks_its_dtype(config: dict) -> str | None:
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
     for key, supported in (("fp16", accelerator.is_fp16_supported), ("bf16", accelerator.is_bf16_supported)):
         if (config.get(key) or {}).get("enabled") and not supported():
-            pytest.skip(f"DeepSpeed's {accelerator.device_name()} accelerator reports no {key} on this machine")
+            return f"DeepSpeed's {accelerator.device_name()} accelerator reports no {key} on this machine"
+    return None
+
+
+@pytest.fixture(scope="module")
+def trained_configs() -> dict:
+    trainable = [str(p) for p in CONFIG_FILES if accelerator_lacks_its_dtype(resolved_config(p, world_size=2)) is None]
+    ranks = run_ranks(train_each_config, 2, trainable, timeout=150 * len(trainable))
+    return {path: [rank[path] for rank in ranks] for path in trainable}
 
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
-def test_config_trains_two_steps_on_two_ranks(path: Path):
+def test_config_trains_two_steps_on_two_ranks(path: Path, trained_configs: dict):
     config = resolved_config(path, world_size=2)
-    skip_unless_the_accelerator_has_its_dtype(config)
-    results = run_ranks(train_two_steps, 2, str(path), timeout=150)
+    reason = accelerator_lacks_its_dtype(config)
+    if reason:
+        pytest.skip(reason)
+    results = trained_configs[str(path)]
     expected_dtype = ("torch.bfloat16" if (config.get("bf16") or {}).get("enabled") else
                       "torch.float16" if (config.get("fp16") or {}).get("enabled") else "torch.float32")
     for result in results:
+        assert isinstance(result, dict), result  # else the rank's traceback
         assert result["optimizer"].startswith("ds_canzona."), result["optimizer"]
         assert result["steps"] == 2
         assert result["dtype"] == expected_dtype
