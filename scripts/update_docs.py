@@ -27,6 +27,7 @@ script leaves alone.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import io
 import json
@@ -168,7 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     texts = {path: path.read_text(encoding="utf-8") for path in DOCS}
-    outputs = {command: render(command, run_command(command)) for command in commands_in(texts.values())}
+    # The commands are independent single-process planner runs: one per core, in parallel.
+    commands = commands_in(texts.values())
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(commands), os.cpu_count() or 1))) as pool:
+        outputs = {command: render(command, output) for command, output in zip(commands, pool.map(run_command, commands))}
     commit = current_commit()
     stale = []
     for path, text in texts.items():

@@ -91,7 +91,9 @@ def assert_same_tensors(a: dict, b: dict) -> None:
 # --------------------------------------------------------------------------- launcher job
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+# One launch per runtime: stage 1 runs the same runtime as stage 2, and its bitwise resume is
+# tests/test_checkpoint.py's (DP=2 at stage 1), so the launcher job is not repeated for it.
+@pytest.mark.parametrize("stage", [2, 3])
 def test_launcher_trains_saves_and_resumes(stage: int, tmp_path: Path):
     config = str(REPO / "ds_configs" / f"zero{stage}_muon.hjson")
     full = tmp_path / "full"

@@ -7,7 +7,7 @@ import torch
 
 from distributed import run_ranks
 from test_zero_stage12 import assert_params_equal, merged_grads, single_process_replay
-from zero_workers import instrumented_train, make_config, train
+from zero_workers import instrumented_trains, make_config, train
 
 MUON = {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 0.003, "weight_decay": 0.01, "ns_method": "gram"}}
 
@@ -20,14 +20,13 @@ def dp3_systems():
     at the boundary, so with accumulation the comparison would flatter us.
     """
     ga1 = {"gradient_accumulation_steps": 1}
-    ours = run_ranks(instrumented_train, 3, make_config(3, stage=2, optimizer=MUON, **ga1), 2, timeout=400)
+    ours = make_config(3, stage=2, optimizer=MUON, **ga1)
     stock_muon = make_config(3, stage=2, optimizer={"type": "Muon", "params": MUON["params"]},
                              canzona={"enabled": False}, **ga1)
     stock_adamw = make_config(3, stage=2, optimizer={"type": "AdamW", "params": {"lr": 0.003, "torch_adam": True}},
                               canzona={"enabled": False}, **ga1)
-    theirs = run_ranks(instrumented_train, 3, stock_muon, 2, timeout=400)
-    adamw = run_ranks(instrumented_train, 3, stock_adamw, 2, timeout=400)
-    return ours, theirs, adamw
+    runs = run_ranks(instrumented_trains, 3, [ours, stock_muon, stock_adamw], 2, timeout=900)
+    return tuple([rank[system] for rank in runs] for system in range(3))
 
 
 def test_step_runs_no_collective_but_the_norm_and_the_parameter_gathers(dp3_systems):

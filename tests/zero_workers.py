@@ -262,6 +262,32 @@ def instrumented_train(rank: int, world_size: int, config: dict, steps: int, *, 
     }
 
 
+def instrumented_trains(rank: int, world_size: int, configs: list[dict], steps: int) -> list[dict]:
+    """:func:`instrumented_train` for each config in turn, in one world (a spawn costs ~10 s here).
+
+    Each run's instrumentation is undone before the next, so no run counts another's calls.
+    """
+    import gc
+
+    import deepspeed.comm as dist
+
+    import ds_canzona.optim.muon as muon_module
+    import ds_canzona.zero.stage12 as stage12
+
+    results = []
+    for config in configs:
+        saved = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+        orthogonalize, rule_for_group = muon_module.orthogonalize, stage12.rule_for_group
+        try:
+            results.append(instrumented_train(rank, world_size, config, steps))
+        finally:
+            for name, original in saved.items():
+                setattr(dist, name, original)
+            muon_module.orthogonalize, stage12.rule_for_group = orthogonalize, rule_for_group
+            gc.collect()
+    return results
+
+
 def optimizer_state_bytes(engine) -> int:
     """Bytes of every optimizer-state tensor a rank holds, found by walking the optimizer objects.
 
