@@ -7,6 +7,11 @@ as ``TORCHDYNAMO_DISABLE``, take effect). ``fn(rank, world_size, *args)`` runs i
 value comes back through a file. A rank that raises fails the run with its traceback; a run past
 ``timeout`` is killed, never left hanging.
 
+Ranks start from a fork server that has imported torch, DeepSpeed and transformers once (importing
+them costs each spawned rank seconds, most of a short test's time on a two-core machine); the
+caller's environment is copied into each rank when it starts. A run with ``env`` spawns fresh
+interpreters instead, because such switches must be set before torch is imported.
+
 DeepSpeed's CPU accelerator maps a shared-memory all-reduce buffer per rank
 (``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``, about 66 MiB) and never
 unlinks it; every run here removes its own afterwards, or repeated runs fill /dev/shm (RAM).
@@ -43,9 +48,13 @@ def remove_shm_buffers(addr: str, port: int, world_size: int) -> None:
 
 
 def _entry(rank: int, world_size: int, port: int, outdir: str, threads: int, fn: Callable[..., Any],
-           args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+           args: tuple[Any, ...], kwargs: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> None:
     import torch
 
+    if environ is not None:
+        # A forked rank has the fork server's environment: give it the caller's, as a spawn would.
+        os.environ.clear()
+        os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_SIZE=str(world_size))
     torch.set_num_threads(threads)
@@ -60,6 +69,17 @@ def _entry(rank: int, world_size: int, port: int, outdir: str, threads: int, fn:
         with open(os.path.join(outdir, f"rank{rank}.err"), "w", encoding="utf-8") as handle:
             handle.write(traceback.format_exc())
         raise
+
+
+# Imported once by the fork server, before it forks any rank. It imports, computes nothing, so it
+# holds no thread (OpenMP, gloo) that a fork would leave broken.
+_FORK_SERVER_PRELOAD = ["torch", "deepspeed", "ds_canzona.zero", "transformers"]
+
+
+def _preload_fork_server() -> None:
+    import multiprocessing
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(_FORK_SERVER_PRELOAD)
 
 
 class RankCrashed(RuntimeError):
@@ -99,8 +119,13 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], kw
     port = free_port()
     try:
         with tempfile.TemporaryDirectory() as outdir:
-            context = mp.start_processes(_entry, args=(world_size, port, outdir, threads, fn, args, kwargs),
-                                         nprocs=world_size, join=False, start_method="spawn")
+            if env:
+                start_method, environ = "spawn", None
+            else:
+                start_method, environ = "forkserver", dict(os.environ)
+                _preload_fork_server()
+            context = mp.start_processes(_entry, args=(world_size, port, outdir, threads, fn, args, kwargs, environ),
+                                         nprocs=world_size, join=False, start_method=start_method)
             deadline = time.monotonic() + timeout
             try:
                 while not context.join(timeout=1.0):

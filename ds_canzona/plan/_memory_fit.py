@@ -229,18 +229,28 @@ class MemorySearch(ChainExchanges, LocalSearch):
         loads, mem = self.state.loads.loads(), self.memory_loads.loads()
         costs, memory = self.problem.costs, self.memory
         top = mem[busiest]
+        improving = top * (1.0 - 1e-12)
         best: tuple[float, int, int] | None = None
         for item in self.on_rank[busiest]:
             low, high = self._window(item)
             if low == high:
                 continue
+            # The budget counts every rank of the window, scanned or not: the bound below only
+            # skips scans that cannot win, so the search (and its answer) is the unpruned one.
             self.budget -= high - low + 1
+            item_memory = memory[item]
+            # No rank of the window ends below its least memory plus the item: skip the window
+            # when even that peak would not improve on the best move so far.
+            bound = max(top - item_memory, self.memory_loads.min_in(low, high) + item_memory)
+            if bound >= improving or (best is not None and bound > best[0]):
+                continue
             for rank in range(low, high + 1):
+                peak = max(top - item_memory, mem[rank] + item_memory)
+                if not (peak < improving and (best is None or (peak, item, rank) < best)):
+                    continue
                 if rank == busiest or loads[rank] + costs[item] > self.capacity or not self._fits(item, rank):
                     continue
-                peak = max(top - memory[item], mem[rank] + memory[item])
-                if peak < top * (1.0 - 1e-12) and (best is None or (peak, item, rank) < best):
-                    best = (peak, item, rank)
+                best = (peak, item, rank)
         if best is None:
             return False
         _, item, rank = best
