@@ -9,7 +9,7 @@ value comes back through a file. A rank that raises fails the run with its trace
 
 Ranks start from a fork server that has imported torch, DeepSpeed and transformers once (importing
 them costs each spawned rank seconds, most of a short test's time on a two-core machine); the
-caller's environment is copied into each rank when it starts. A run with ``env`` spawns fresh
+caller's environment and umask are copied into each rank when it starts. A run with ``env`` spawns fresh
 interpreters instead, because such switches must be set before torch is imported.
 
 DeepSpeed's CPU accelerator maps a shared-memory all-reduce buffer per rank
@@ -48,13 +48,16 @@ def remove_shm_buffers(addr: str, port: int, world_size: int) -> None:
 
 
 def _entry(rank: int, world_size: int, port: int, outdir: str, threads: int, fn: Callable[..., Any],
-           args: tuple[Any, ...], kwargs: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> None:
+           args: tuple[Any, ...], kwargs: Mapping[str, Any], environ: Mapping[str, str] | None = None,
+           umask: int | None = None) -> None:
     import torch
 
     if environ is not None:
-        # A forked rank has the fork server's environment: give it the caller's, as a spawn would.
+        # A forked rank has the fork server's environment and umask: give it the caller's, as a spawn would.
         os.environ.clear()
         os.environ.update(environ)
+    if umask is not None:
+        os.umask(umask)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_SIZE=str(world_size))
     torch.set_num_threads(threads)
@@ -124,7 +127,9 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], kw
             else:
                 start_method, environ = "forkserver", dict(os.environ)
                 _preload_fork_server()
-            context = mp.start_processes(_entry, args=(world_size, port, outdir, threads, fn, args, kwargs, environ),
+            umask = os.umask(0o022)
+            os.umask(umask)
+            context = mp.start_processes(_entry, args=(world_size, port, outdir, threads, fn, args, kwargs, environ, umask),
                                          nprocs=world_size, join=False, start_method=start_method)
             deadline = time.monotonic() + timeout
             try:
