@@ -9,8 +9,8 @@ value comes back through a file. A rank that raises fails the run with its trace
 
 Ranks start from a fork server that has imported torch, DeepSpeed and transformers once (importing
 them costs each spawned rank seconds, most of a short test's time on a two-core machine); the
-caller's environment and umask are copied into each rank when it starts. A run with ``env`` spawns fresh
-interpreters instead, because such switches must be set before torch is imported.
+caller's environment and umask are copied into each rank when it starts. A run with ``env``
+spawns fresh interpreters instead, because such switches must be set before torch is imported.
 
 DeepSpeed's CPU accelerator maps a shared-memory all-reduce buffer per rank
 (``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``, about 66 MiB) and never
@@ -123,12 +123,12 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], kw
     try:
         with tempfile.TemporaryDirectory() as outdir:
             if env:
-                start_method, environ = "spawn", None
+                start_method, environ, umask = "spawn", None, None
             else:
                 start_method, environ = "forkserver", dict(os.environ)
+                umask = os.umask(0o022)  # the only way to read it: set, then put back
+                os.umask(umask)
                 _preload_fork_server()
-            umask = os.umask(0o022)
-            os.umask(umask)
             context = mp.start_processes(_entry, args=(world_size, port, outdir, threads, fn, args, kwargs, environ, umask),
                                          nprocs=world_size, join=False, start_method=start_method)
             deadline = time.monotonic() + timeout

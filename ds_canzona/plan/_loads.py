@@ -91,21 +91,7 @@ class LoadTree:
 
     def min_in(self, lo: int, hi: int) -> float:
         """The smallest load in ``[lo, hi]``."""
-        mins = self._min
-        left, right = lo + self._leaf, hi + self._leaf + 1
-        best = _INF
-        while left < right:
-            if left & 1:
-                if mins[left] < best:
-                    best = mins[left]
-                left += 1
-            if right & 1:
-                right -= 1
-                if mins[right] < best:
-                    best = mins[right]
-            left >>= 1
-            right >>= 1
-        return best
+        return self[self.argmin(lo, hi)]
 
     def argmin(self, lo: int, hi: int) -> int:
         """The least-loaded rank in ``[lo, hi]`` (the lowest such rank on ties)."""
