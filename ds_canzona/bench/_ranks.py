@@ -1,11 +1,12 @@
 """Running a benchmark function on N gloo ranks of this machine.
 
-Each rank is a fresh spawned process with the environment DeepSpeed's launcher would give it
+Each rank is a fresh process with the environment DeepSpeed's launcher would give it
 (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE, MASTER_ADDR/PORT), one torch thread per rank, plus any
 ``env`` the caller adds (set before the child imports torch, so switches read at import time, such
 as ``TORCHDYNAMO_DISABLE``, take effect). ``fn(rank, world_size, *args)`` runs in each; its return
-value comes back through a file. A rank that raises fails the run with its traceback; a run past
-``timeout`` is killed, never left hanging.
+value comes back through a file. A rank that raises fails the run with its traceback and leaves
+with exit code 1 (never a native abort at exit); a run past ``timeout`` is killed, never left
+hanging.
 
 Ranks start from a fork server that has imported torch, DeepSpeed and transformers once (importing
 them costs each spawned rank seconds, most of a short test's time on a two-core machine); the
@@ -64,14 +65,19 @@ def _entry(rank: int, world_size: int, port: int, outdir: str, threads: int, fn:
     try:
         result = fn(rank, world_size, *args, **kwargs)
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
-        # Tear the process group down before exit: gloo's threads destroyed at interpreter exit
-        # can abort the process ("terminate called without an active exception").
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
     except BaseException:
         with open(os.path.join(outdir, f"rank{rank}.err"), "w", encoding="utf-8") as handle:
             handle.write(traceback.format_exc())
-        raise
+        # Leave without interpreter finalisation: it would destroy a live gloo group, whose
+        # threads can abort the process ("terminate called without an active exception"), and
+        # destroying the group here could wait on a peer that is still in a collective. The
+        # parent reads the traceback from the file and kills the other ranks.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    # The group goes before the interpreter does, for the same reason.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 # Imported once by the fork server, before it forks any rank. It imports, computes nothing, so it
