@@ -30,6 +30,14 @@ class CanzonaConfigError(ValueError):
     """A bad ``canzona`` section or an unsupported combination with the rest of the config."""
 
 
+class CanzonaConfigAssertion(CanzonaConfigError, AssertionError):
+    """A config value DeepSpeed's own ZeRO optimizer rejects with an assertion, rejected alike.
+
+    An ``AssertionError`` too, so code (and DeepSpeed's own tests) written against DeepSpeed's
+    ZeRO optimizer catch it where they caught DeepSpeed's.
+    """
+
+
 class CanzonaConfig(DeepSpeedConfigModel):
     """The ``canzona`` section: how ds_canzona plans and runs the ZeRO-1/2 optimizer step."""
 

@@ -105,6 +105,8 @@ REFUSED = [
     ("zero++ nontrainable weights", {}, {"zero_quantized_nontrainable_weights": True}, {},
      "zero_quantized_nontrainable_weights"),
     ("optimizer type", {"optimizer": {"type": "Lamb", "params": {"lr": 0.01}}}, {}, {}, "optimizer types Muon, NorMuon, AdaMuon, Shampoo, SOAP and AdamW"),
+    # DeepSpeed's ZeRO-1/2 asserts the same (test_allgather_bucket_size_is_refused_as_deepspeed_refuses_it).
+    ("odd allgather_bucket_size", {}, {"allgather_bucket_size": 1001}, {}, "zero_optimization.allgather_bucket_size 1001"),
 ]
 
 # Read by DeepSpeed's own ZeRO-1/2 for its communication schedule; no numeric effect here.
@@ -176,6 +178,71 @@ def test_refusals_are_one_clear_error_naming_the_key():
     assert not problems, "\n".join(problems)
     stage0 = outcomes[0][1]
     assert "set zero_optimization.stage to 1, 2 or 3" in stage0
+
+
+def _assertions(rank, world_size, configs):
+    """Per config: the AssertionError ``deepspeed.initialize`` raised, as (type name, message), or "built"."""
+    outcomes = []
+    for config in configs:
+        try:
+            _initialize(config, {})
+            outcomes.append("built")
+        except AssertionError as error:
+            outcomes.append((type(error).__name__, str(error)))
+    return outcomes
+
+
+def test_allgather_bucket_size_is_refused_as_deepspeed_refuses_it():
+    """An allgather_bucket_size that is not a multiple of 2 stops stock DeepSpeed's ZeRO-1/2 with an
+    AssertionError; ds_canzona stops it at the same point with one too (a CanzonaConfigError as well)."""
+    from zero_workers import make_config
+
+    configs = []
+    for stage in (1, 2):
+        for canzona in (True, False):
+            config = make_config(1, stage=stage)
+            config["zero_optimization"]["allgather_bucket_size"] = 1001
+            if not canzona:
+                config.pop("canzona")
+                config["optimizer"] = {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}
+            configs.append(config)
+    even = make_config(1, stage=2)
+    even["zero_optimization"]["allgather_bucket_size"] = 1000
+    outcomes = run_ranks(_assertions, 1, configs + [even], timeout=300)[0]
+    phrase = "allgather_bucket_size must be a multiple of nccl_start_alignment_factor"
+    for (config, outcome) in zip(configs, outcomes):
+        assert outcome != "built" and phrase in outcome[1], (config, outcome)
+        assert outcome[0] == ("CanzonaConfigAssertion" if "canzona" in config else "AssertionError"), outcome
+    assert outcomes[-1] == "built"
+
+
+def test_unused_parameters_stop_every_rank_when_not_ignored():
+    """zero_optimization.ignore_unused_parameters false at stages 1/2: a step in which any rank saw
+    a trainable tensor without a gradient raises on every rank (no rank left waiting in a
+    collective), with a message naming the key, before anything is updated; true (the default)
+    trains on. DeepSpeed asserts only under CPU offload (its norm path there); its docs give the
+    key this meaning at stage 2, and here it holds with or without offload."""
+    from zero_workers import unused_parameter_steps
+
+    # tiny_model.uses_branch: the branch runs on every rank at step 1, on rank 0 only at step 2,
+    # on no rank at step 0. Stage 3 trains on, as DeepSpeed's does (it reads the key at stages 1/2
+    # only); its case skips step 2, where the branch's gather would run on one rank alone, a
+    # hang under any ZeRO-3.
+    cases = [(1, False, [1, 2]), (2, False, [1, 2]), (2, False, [0]), (2, True, [0, 1, 2]), (3, False, [0, 1])]
+    per_rank = run_ranks(unused_parameter_steps, 2, cases, timeout=300)
+    for rank, results in enumerate(per_rank):
+        for (stage, ignore, steps), outcomes in zip(cases, results):
+            if ignore or stage == 3:
+                assert outcomes == ["stepped"] * len(steps), (stage, rank, outcomes)
+                continue
+            *stepped, (kind, message, is_assertion, kept) = outcomes
+            assert stepped == ["stepped"] * (len(steps) - 1) and kind == "raised", (stage, rank, outcomes)
+            assert "zero_optimization.ignore_unused_parameters is false" in message and is_assertion and kept
+            rank_misses = steps[-1] == 0 or rank == 1
+            assert ("'branch.weight'" in message) == rank_misses, (stage, rank, message)
+            assert "none on this rank" in message or rank_misses, message
+            count = 2 * (2 if steps[-1] == 0 else 1)  # branch.weight and branch.bias, on the ranks without them
+            assert message.startswith(f"ds_canzona: {count} trainable tensor(s)"), message
 
 
 def _mesh_outcome(rank, world_size):

@@ -454,3 +454,40 @@ def _train_run(rank: int, world_size: int, run: dict) -> dict:
         "flat_dtypes": sorted({str(f.dtype) for f in zero.grad_flat if f is not None}),
         "segment_dtypes": sorted({str(s.dtype) for s in zero.grad_segment}),
     }
+
+
+def unused_parameter_steps(rank: int, world_size: int, cases: list[tuple[int, bool, list[int]]]) -> list[list]:
+    """Per case (stage, ignore_unused_parameters, steps): what each step did on this rank.
+
+    The model is ``CheckpointedLM`` without checkpointing, whose ``branch`` runs only at the steps
+    and ranks ``tiny_model.uses_branch`` says. Per step: "stepped", or ("raised", message, whether
+    the error is an AssertionError, whether every owned master kept its value).
+    """
+    import torch
+    from ds_canzona.zero.owner_runtime import UnusedParametersError
+    from tiny_model import make_checkpointed_model
+
+    results = []
+    for stage, ignore, steps in cases:
+        config = make_config(world_size, stage=stage)
+        config["zero_optimization"]["ignore_unused_parameters"] = ignore
+        engine = init_engine(config, make_checkpointed_model(checkpoint=None))
+        outcomes = []
+        for step in steps:
+            micros = config["gradient_accumulation_steps"]
+            for micro in range(micros):
+                tokens = batches(step, micro, rank, world_size)
+                engine.backward(engine(tokens, use_branch=uses_branch(step, rank)))
+                if micro < micros - 1:
+                    engine.step()  # not a boundary: no optimizer step
+            before = [t.master.clone() for t in engine.optimizer.owned_tensors()]
+            try:
+                engine.step()
+                outcomes.append("stepped")
+            except UnusedParametersError as error:
+                after = [t.master for t in engine.optimizer.owned_tensors()]
+                kept = all(torch.equal(a, b) for a, b in zip(before, after))
+                outcomes.append(("raised", str(error), isinstance(error, AssertionError), kept))
+                break
+        results.append(outcomes)
+    return results

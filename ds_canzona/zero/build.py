@@ -323,6 +323,10 @@ def build_canzona_optimizer(engine, client_optimizer, model_parameters=None):
     config = engine._canzona_config
     numerics = gradient_numerics(engine)  # refused before anything is built
     numerics["offload"] = offload_settings(engine, config)
+    # DeepSpeed reads this key at stages 1/2 only (its docs: "just used in stage 2"); stage 3
+    # trains on as DeepSpeed's does.
+    numerics["ignore_unused_parameters"] = (engine.zero_optimization_stage() == 3
+                                            or bool(engine.zero_ignore_unused_parameters()))
     if client_optimizer is None:
         basic = optimizer_from_config(engine, model_parameters)
     elif callable(client_optimizer) and not hasattr(client_optimizer, "param_groups"):

@@ -43,6 +43,14 @@ from ds_canzona.zero.pricing import plan_cost_model
 from ds_canzona.zero.reduction import gradient_reduction
 
 
+class UnusedParametersError(RuntimeError, AssertionError):
+    """A trainable tensor got no gradient in a step while ``zero_optimization.ignore_unused_parameters`` is false.
+
+    An ``AssertionError`` too: DeepSpeed's own ZeRO-1/2 asserts in that case, and code written
+    against it catches that.
+    """
+
+
 class OwnerRuntime(ZeROOptimizer):
     """The part of a ds_canzona ZeRO optimizer that does not depend on the stage (see the module docstring)."""
 
@@ -52,7 +60,7 @@ class OwnerRuntime(ZeROOptimizer):
                  dp_process_group, clip_grad: float, grad_accum_dtype: torch.dtype | None = None,
                  communication_dtype: torch.dtype | None = None, gradient_predivide_factor: float = 1.0,
                  postscale_gradients: bool = True, gradient_average: bool = True,
-                 offload: OffloadSettings | None = None):
+                 offload: OffloadSettings | None = None, ignore_unused_parameters: bool = True):
         super().__init__()
         # offload_optimizer: the owned masters and state move to the host once the subclass has built them.
         self.offload_settings = offload
@@ -88,6 +96,9 @@ class OwnerRuntime(ZeROOptimizer):
         if not self.params:
             raise ValueError("the optimizer has no trainable parameters of the model")
         self.names = [param_names[p] for p in self.params]
+        # zero_optimization.ignore_unused_parameters false: which tensors got a gradient in this
+        # step's backward passes, checked across ranks in the step (None: not checked, the default).
+        self._got_gradient: list[bool] | None = None if ignore_unused_parameters else [False] * len(self.params)
         self.groups = [group_of[p] for p in self.params]
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) != 1:
@@ -150,7 +161,13 @@ class OwnerRuntime(ZeROOptimizer):
         # its owner only, so the all-reduced vector is exact, and its sum in plan order is the
         # same number on every rank and at every world size.
         sq_norms = self._owned_sq_norms(items, grads)
+        if self._got_gradient is not None:  # one more entry: this rank's count of tensors without a gradient
+            missing = [name for name, got in zip(self.names, self._got_gradient) if not got]
+            sq_norms = torch.cat([sq_norms, sq_norms.new_tensor([float(len(missing))])])
         all_reduce_sum(sq_norms, group=self.norm_group, counter=self.comm, kind="all_reduce")
+        if self._got_gradient is not None:
+            self._raise_if_unused(missing, int(sq_norms[-1].item()))
+            sq_norms = sq_norms[:-1]
         # The step's one host read: the norm, which is non-finite exactly when some gradient
         # entry overflowed (see ds_canzona.optim.clipping).
         total_norm, coefficient = clip_coefficient(sq_norms, self.clip_grad)
@@ -172,6 +189,29 @@ class OwnerRuntime(ZeROOptimizer):
         self._update_and_publish(grads)
         self.zero_grad()
         return None
+
+    def _note_arrivals(self, arrivals: list[int]) -> None:
+        """After a backward: remember which tensors got a gradient (``arrivals``: gradients per tensor)."""
+        if self._got_gradient is not None:
+            self._got_gradient = [got or count > 0 for got, count in zip(self._got_gradient, arrivals)]
+
+    def _raise_if_unused(self, missing_here: list[str], missing_everywhere: int) -> None:
+        """Stop every rank alike, before any update, when some rank saw a tensor without a gradient.
+
+        The count is the all-reduced one, so all ranks raise together (one rank raising alone
+        would leave the others waiting in their next collective).
+        """
+        self._got_gradient = [False] * len(self.params)
+        if missing_everywhere == 0:
+            return
+        here = (f"on this rank: {', '.join(repr(n) for n in missing_here[:5])}"
+                f"{' and more' if len(missing_here) > 5 else ''}") if missing_here else "none on this rank"
+        raise UnusedParametersError(
+            f"ds_canzona: {missing_everywhere} trainable tensor(s), counted over the ranks, received no gradient in "
+            f"this step's backward passes ({here}) and zero_optimization.ignore_unused_parameters is false. Set "
+            "zero_optimization.ignore_unused_parameters to true (a missing gradient then counts as zero), make every "
+            "trainable parameter take part in the loss, or set requires_grad=False on those that do not. Nothing "
+            "was updated.")
 
     def _owned_sq_norms(self, items: list[int], grads: list[torch.Tensor]) -> torch.Tensor:
         """The vector of per-item squared norms, with this rank's entries filled in and zeros elsewhere.
@@ -310,4 +350,4 @@ class OwnerRuntime(ZeROOptimizer):
         self.fragments.attach()
 
 
-__all__ = ["OwnerRuntime"]
+__all__ = ["OwnerRuntime", "UnusedParametersError"]

@@ -91,14 +91,14 @@ class CanzonaZeroOptimizer(OwnerRuntime):
                  static_loss_scale: float = 1.0, dynamic_loss_scale: bool = False, dynamic_loss_args=None,
                  grad_accum_dtype: torch.dtype | None = None, communication_dtype: torch.dtype | None = None,
                  gradient_predivide_factor: float = 1.0, postscale_gradients: bool = True,
-                 gradient_average: bool = True, offload=None):
+                 gradient_average: bool = True, offload=None, ignore_unused_parameters: bool = True):
         if stage not in (1, 2):
             raise ValueError(f"ds_canzona supports ZeRO stage 1 and 2, got {stage=}")
         super().__init__(optimizer, param_names=param_names, config=config, stage=stage,
                          dp_process_group=dp_process_group, clip_grad=clip_grad, grad_accum_dtype=grad_accum_dtype,
                          communication_dtype=communication_dtype, gradient_predivide_factor=gradient_predivide_factor,
                          postscale_gradients=postscale_gradients, gradient_average=gradient_average,
-                         offload=offload)
+                         offload=offload, ignore_unused_parameters=ignore_unused_parameters)
 
         self.plan = self._make_plan(bucket_numel)
         self.layout = self._buffer_layout()
@@ -423,6 +423,7 @@ class CanzonaZeroOptimizer(OwnerRuntime):
 
     def backward_epilogue(self, **kwargs) -> None:
         """Engine hook after every backward: the next backward counts gradients afresh."""
+        self._note_arrivals(self._arrivals)
         self._arrivals = [0] * len(self.params)
 
     def _reset_reduction(self) -> None:

@@ -107,12 +107,13 @@ class CanzonaZero3Optimizer(OwnerRuntime):
                  static_loss_scale: float = 1.0, dynamic_loss_scale: bool = False, dynamic_loss_args=None,
                  grad_accum_dtype: torch.dtype | None = None, communication_dtype: torch.dtype | None = None,
                  gradient_predivide_factor: float = 1.0, postscale_gradients: bool = True,
-                 gradient_average: bool = True, reduce_bucket_numel: int | None = None, offload=None):
+                 gradient_average: bool = True, reduce_bucket_numel: int | None = None, offload=None,
+                 ignore_unused_parameters: bool = True):
         super().__init__(optimizer, param_names=param_names, config=config, stage=3,
                          dp_process_group=dp_process_group, clip_grad=clip_grad, grad_accum_dtype=grad_accum_dtype,
                          communication_dtype=communication_dtype, gradient_predivide_factor=gradient_predivide_factor,
                          postscale_gradients=postscale_gradients, gradient_average=gradient_average,
-                         offload=offload)
+                         offload=offload, ignore_unused_parameters=ignore_unused_parameters)
         self.module = module
         self.logical_shapes = [logical_shape(p) for p in self.params]  # ds_shape under zero.Init
 
@@ -349,6 +350,7 @@ class CanzonaZero3Optimizer(OwnerRuntime):
         self._launch_bucket()
         self._wait_reductions()
         self._next = len(self.params) - 1
+        self._note_arrivals(self._arrivals)
         self._arrivals = [0] * len(self.params)
 
     def backward_epilogue(self, **kwargs) -> None:

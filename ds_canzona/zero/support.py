@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ds_canzona.config import MATRIX_OPTIMIZERS, CanzonaConfigError
+from ds_canzona.config import MATRIX_OPTIMIZERS, CanzonaConfigAssertion, CanzonaConfigError
 from ds_canzona.zero.versions import check_stage3_version
 
 _REMOVE = "or remove the 'canzona' section to use DeepSpeed's own optimizer"
@@ -211,8 +211,19 @@ _ZERO_FEATURES = {
 }
 
 
+# DeepSpeed's ZeRO-1/2 asserts that its all-gather buckets start 4-byte aligned in 16-bit elements.
+NCCL_START_ALIGNMENT_FACTOR = 2
+
+
 def _check_zero_keys(engine, params: dict[str, Any]) -> None:
     zero = engine._config.zero_config
+    allgather = int(getattr(zero, "allgather_bucket_size", 0) or 0)
+    if engine.zero_optimization_stage() in (1, 2) and allgather % NCCL_START_ALIGNMENT_FACTOR:
+        # ds_canzona's gathers do not use this size, but a config DeepSpeed refuses is refused here too.
+        raise CanzonaConfigAssertion(
+            f"zero_optimization.allgather_bucket_size {allgather}: allgather_bucket_size must be a multiple of "
+            f"nccl_start_alignment_factor, {NCCL_START_ALIGNMENT_FACTOR} (DeepSpeed's ZeRO-1/2 refuses it too): "
+            "use an even size")
     for key, what in _ZERO_FEATURES.items():
         if getattr(zero, key, False):
             raise _refuse(what, f"set zero_optimization.{key} to false")
