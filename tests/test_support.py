@@ -318,3 +318,56 @@ def test_accumulation_boundary_as_attribute_or_method():
     old.is_gradient_accumulation_boundary = False
     assert at_accumulation_boundary(old) is False
     assert at_accumulation_boundary(New(False)) is False and at_accumulation_boundary(New(True)) is True
+
+
+def _step_counts(rank, world_size, configs):
+    """Per config: the engine's global_steps and, per state entry DeepSpeed's test reads, its step and keys."""
+    from zero_workers import init_engine
+    from tiny_model import batches
+
+    out = []
+    for config in configs:
+        engine = init_engine(config)
+        zero, basic = engine.optimizer, engine.optimizer.optimizer
+        for step in range(2):
+            for micro in range(config["gradient_accumulation_steps"]):
+                engine.backward(engine(batches(step, micro, rank, world_size)))
+                engine.step()
+        if "canzona" in config or config["zero_optimization"]["stage"] < 3:
+            # DeepSpeed's TestZeroAdamOptimizerStepCount at stages 1/2 (stock: the flat partitions).
+            keyed = [p for group in basic.param_groups for p in group["params"]]
+        else:
+            keyed = list(zero.fp32_partitioned_groups_flat)  # its stage-3 reading, a stock internal
+        states = [basic.state[p] for p in keyed]
+        out.append({"global_steps": engine.global_steps, "steps": [float(s["step"]) for s in states],
+                    "keys": sorted({tuple(sorted(s)) for s in states})})
+    return out
+
+
+def test_optimizer_state_gives_every_parameter_its_step_as_stock_deepspeed_does():
+    """``engine.optimizer.optimizer.state[param]["step"]`` (what LR callbacks and trainers read)
+    at stages 1-3: the applied step count for every trainable parameter, equal to stock
+    DeepSpeed's on the same AdamW run; a parameter this rank owns whole has AdamW's keys as
+    torch's AdamW (DeepSpeed's basic optimizer here) names them, any other has ``step`` only."""
+    from zero_workers import make_config
+
+    adamw = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}}
+    ours = [make_config(2, stage=stage, optimizer={"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}})
+            for stage in (1, 2, 3)]
+    ours.append(make_config(2, stage=2))  # Muon: its matrices' state is step and momentum_buffer
+    stock = []
+    for stage in (2, 3):  # stock stage 1 reads as stage 2 does
+        config = make_config(2, stage=stage, optimizer=adamw)
+        config.pop("canzona")
+        stock.append(config)
+    per_rank = run_ranks(_step_counts, 2, ours + stock, timeout=600)
+    for rank, results in enumerate(per_rank):
+        mine, theirs = results[:len(ours)], results[len(ours):]
+        for result in mine + theirs:
+            assert result["global_steps"] == 2 and result["steps"] and set(result["steps"]) == {2.0}, (rank, result)
+        adam_keys = ("exp_avg", "exp_avg_sq", "step")
+        for result in theirs:
+            assert result["keys"] == [adam_keys], result
+        for result in mine[:3]:  # every entry: torch's AdamW keys where owned whole, else step alone
+            assert set(result["keys"]) <= {adam_keys, ("step",)} and adam_keys in result["keys"], result
+        assert ("momentum_buffer", "step") in mine[3]["keys"], mine[3]

@@ -38,7 +38,7 @@ from ds_canzona.plan import CostModel
 from ds_canzona.zero.comm import CommCounter, all_reduce_sum
 from ds_canzona.zero.fragments import FragmentAPI
 from ds_canzona.zero.offload import OffloadSettings, OptimizerOffload
-from ds_canzona.zero.owned import OwnedTensor, parameter_groups
+from ds_canzona.zero.owned import OwnedTensor, ParameterStateView, parameter_groups
 from ds_canzona.zero.pricing import plan_cost_model
 from ds_canzona.zero.reduction import gradient_reduction
 
@@ -66,7 +66,6 @@ class OwnerRuntime(ZeROOptimizer):
         self.offload_settings = offload
         self.offload: OptimizerOffload | None = None
         self.optimizer = optimizer
-        self._expose_state_api()
         self.fragments: FragmentAPI | None = None  # set by _expose_fragment_api once the parameters are placed
         self.config = config
         self.stage = stage
@@ -96,8 +95,10 @@ class OwnerRuntime(ZeROOptimizer):
         if not self.params:
             raise ValueError("the optimizer has no trainable parameters of the model")
         self.names = [param_names[p] for p in self.params]
+        self._expose_state_api()
         # zero_optimization.ignore_unused_parameters false: which tensors got a gradient in this
         # step's backward passes, checked across ranks in the step (None: not checked, the default).
+        self._applied_steps = 0  # optimizer.state's step count on a rank that owns no tensor
         self._got_gradient: list[bool] | None = None if ignore_unused_parameters else [False] * len(self.params)
         self.groups = [group_of[p] for p in self.params]
         dtypes = {p.dtype for p in self.params}
@@ -187,6 +188,7 @@ class OwnerRuntime(ZeROOptimizer):
         # the HF Trainer's among them) read this flag to check it stepped before they do.
         self.optimizer._opt_called = True
         self._update_and_publish(grads)
+        self._applied_steps += 1
         self.zero_grad()
         return None
 
@@ -337,11 +339,13 @@ class OwnerRuntime(ZeROOptimizer):
         """The basic optimizer's torch state API answers for this runtime: its own state is empty under ZeRO.
 
         ``engine.optimizer.optimizer`` (the ds_canzona.optim optimizer this runtime wraps) never
-        steps here, so torch's ``state_dict`` of it would say nothing; code that reads optimizer
-        state through it gets this rank's owned state, and a load is refused the same way.
+        steps here, so torch's ``state_dict`` and ``state`` of it would say nothing; code that
+        reads optimizer state through it gets this rank's owned state (``state[param]``: see
+        ``ParameterStateView``), and a load is refused the same way.
         """
         self.optimizer.state_dict = self.state_dict
         self.optimizer.load_state_dict = self.load_state_dict
+        self.optimizer.state = ParameterStateView(self.params, self.names, self.owned_tensors, lambda: self._applied_steps)
 
     def _expose_fragment_api(self) -> None:
         """DeepSpeed's tensor-fragment functions (``deepspeed.utils.safe_get_full_fp32_param`` and the rest)
