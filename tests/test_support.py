@@ -371,3 +371,63 @@ def test_optimizer_state_gives_every_parameter_its_step_as_stock_deepspeed_does(
         for result in mine[:3]:  # every entry: torch's AdamW keys where owned whole, else step alone
             assert set(result["keys"]) <= {adam_keys, ("step",)} and adam_keys in result["keys"], result
         assert ("momentum_buffer", "step") in mine[3]["keys"], mine[3]
+
+
+# Every zero_optimization key ds_canzona reads, with a value that is wrong for it. Each must stop
+# deepspeed.initialize with an error naming the key (DeepSpeed's config model or ours), or train
+# as DeepSpeed does; a hang would fail on run_ranks' timeout.
+BAD_ZERO_VALUES = [
+    (2, "stage", 4), (2, "stage", "two"),
+    (2, "reduce_bucket_size", -1), (2, "reduce_bucket_size", 0), (2, "reduce_bucket_size", "big"),
+    (2, "allgather_bucket_size", -2), (2, "overlap_comm", "sometimes"),
+    (2, "ignore_unused_parameters", "maybe"),
+    (2, "offload_optimizer", {"device": "disk"}), (2, "offload_optimizer", {"device": "cpu", "pin_memory": "yes"}),
+    (2, "offload_optimizer", {"device": "nvme"}),
+    (3, "offload_param", {"device": "disk"}),
+    (3, "stage3_prefetch_bucket_size", -1), (3, "stage3_param_persistence_threshold", -1),
+    (3, "stage3_model_persistence_threshold", -1), (3, "stage3_max_live_parameters", -1),
+    (3, "stage3_max_reuse_distance", -1), (3, "stage3_module_granularity_threshold", -1),
+    (3, "reduce_bucket_size", 0),
+]
+# Legal, extreme values DeepSpeed trains with: these must train here too (no planner blow-up on
+# one-element buckets, no stall with no live-parameter budget).
+EXTREME_ZERO_VALUES = [
+    (2, "reduce_bucket_size", 1), (3, "reduce_bucket_size", 1), (2, "allgather_bucket_size", 0),
+    (3, "stage3_prefetch_bucket_size", 0), (3, "stage3_max_live_parameters", 0),
+    (3, "stage3_max_reuse_distance", 0), (3, "stage3_param_persistence_threshold", 10**12),
+]
+
+
+def _bad_zero_value_outcomes(rank, world_size, cases):
+    from zero_workers import init_engine, make_config
+    from tiny_model import batches
+
+    outcomes = []
+    for stage, key, value in cases:
+        config = make_config(world_size, stage=stage)
+        config["zero_optimization"][key] = value
+        try:
+            engine = init_engine(config)
+        except Exception as error:
+            outcomes.append(("refused", type(error).__name__, str(error)))
+            continue
+        for micro in range(config["gradient_accumulation_steps"]):
+            engine.backward(engine(batches(0, micro, rank, world_size)))
+            engine.step()
+        outcomes.append(("trained", "", ""))
+    return outcomes
+
+
+def test_every_zero_key_read_stops_with_its_name_on_a_bad_value_or_trains():
+    cases = BAD_ZERO_VALUES + EXTREME_ZERO_VALUES
+    per_rank = run_ranks(_bad_zero_value_outcomes, 2, cases, timeout=400)
+    problems = []
+    for (stage, key, value), *outcomes in zip(cases, *per_rank):
+        kinds = {kind for kind, _, _ in outcomes}
+        if (stage, key, value) in EXTREME_ZERO_VALUES and kinds != {"trained"}:
+            problems.append(f"stage {stage} {key}={value!r}: DeepSpeed trains with it, here: {outcomes[0]}")
+        elif len(kinds) != 1:  # one rank refusing alone would leave the other in a collective
+            problems.append(f"stage {stage} {key}={value!r}: ranks disagree: {outcomes}")
+        elif kinds == {"refused"} and not all(key in message for _, _, message in outcomes):
+            problems.append(f"stage {stage} {key}={value!r}: the error does not name the key: {outcomes[0][2][:400]}")
+    assert not problems, "\n".join(problems)
