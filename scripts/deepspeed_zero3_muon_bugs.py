@@ -118,7 +118,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
 
     import deepspeed
     import torch
-    from ds_canzona.bench._instrument import force_deepspeed_ns_dtype
+    from ds_canzona.bench.standins._instrument import force_deepspeed_ns_dtype
 
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     # DeepSpeed would run Newton-Schulz in fp16 on this CPU, whose rounding, amplified by the
@@ -137,7 +137,7 @@ def _relative(a: dict[str, Any], b: dict[str, Any], initial: dict[str, Any], nam
 
 
 def main() -> int:
-    from ds_canzona.bench._ranks import run_ranks
+    from ds_canzona.bench.standins._ranks import run_ranks
 
     result = run_ranks(_worker, 2, env={"DS_ACCELERATOR": "cpu", "TORCHDYNAMO_DISABLE": "1"})[0]
     runs, version = result["runs"], result["version"]

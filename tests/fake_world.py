@@ -1,5 +1,8 @@
-"""The fake world lives in the package now (the collectives benchmark runs on it): ``ds_canzona.bench.fake_world``."""
+"""The fake world lives in the package now (the collectives benchmark runs on it).
 
-from ds_canzona.bench.fake_world import fake_world
+It is ``ds_canzona.bench.standins.fake_world``.
+"""
+
+from ds_canzona.bench.standins.fake_world import fake_world
 
 __all__ = ["fake_world"]

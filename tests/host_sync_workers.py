@@ -44,7 +44,7 @@ def count_host_syncs(rank: int, world_size: int, scenarios: list[dict]) -> list[
     import deepspeed
 
     import ds_canzona  # noqa: F401  (registers the engine hook)
-    from ds_canzona.bench.host_syncs import HostSyncCounter
+    from ds_canzona.bench.standins.host_syncs import HostSyncCounter
 
     results = []
     for scenario in scenarios:

@@ -130,7 +130,8 @@ def deepspeed_offload_parity(rank: int, world_size: int, stage: int) -> dict:
 
 def _metered_step(engine, rank: int, world_size: int) -> dict:
     """One more step of DeepSpeed's offloaded Muon, its host<->device copies metered and counted from its code."""
-    from ds_canzona.bench.offload_bytes import HostDeviceCopyMeter, deepspeed_host_storages, deepspeed_zero2_step_bytes
+    from ds_canzona.bench.standins.offload_bytes import (HostDeviceCopyMeter, deepspeed_host_storages,
+                                                         deepspeed_zero2_step_bytes)
     from param_group_workers import MICRO_BATCH, STEPS
 
     zero = engine.optimizer

@@ -44,7 +44,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ds_canzona.bench.stand_in_outputs import fill_all_gather, fill_all_gather_into_tensor, fill_broadcast, \
+from ds_canzona.bench.standins.stand_in_outputs import fill_all_gather, fill_all_gather_into_tensor, fill_broadcast, \
     fill_reduce_scatter, is_root, tensors_in
 
 __all__ = ["StreamModel", "install_stream_model"]

@@ -122,8 +122,8 @@ def _zero3_with_and_without_rearranging(log) -> dict:
     from deepspeed.runtime.zero.partition_parameters import AllGatherCoalescedHandle
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-    from ds_canzona.bench.collectives import build_engine, count_steps
-    from ds_canzona.bench.fake_engine import deepspeed_zero3_rearranged_at_once
+    from ds_canzona.bench.benchmarks.collectives import build_engine, count_steps
+    from ds_canzona.bench.standins.fake_engine import deepspeed_zero3_rearranged_at_once
 
     out = {}
     for rearranged in (False, True):
@@ -153,10 +153,10 @@ def _zero3_with_and_without_rearranging(log) -> dict:
 
 def count_both(rank: int, world_size: int) -> dict:
     import ds_canzona  # noqa: F401  (installs the engine hook)
-    from ds_canzona.bench.collective_log import CollectiveLog
-    from ds_canzona.bench.collectives import build_engine, count_steps, summarise
-    from ds_canzona.bench.fake_engine import fake_tensors
-    from ds_canzona.bench.fake_world import fake_world
+    from ds_canzona.bench.standins.collective_log import CollectiveLog
+    from ds_canzona.bench.benchmarks.collectives import build_engine, count_steps, summarise
+    from ds_canzona.bench.standins.fake_engine import fake_tensors
+    from ds_canzona.bench.standins.fake_world import fake_world
 
     log = CollectiveLog().install()
     out = {}
@@ -239,10 +239,10 @@ def test_deepspeed_zero3_rearranged_at_once_issues_the_same_calls_and_moves_the_
 # --------------------------------------------------------------------------- AutoTP
 def count_tp(rank: int, world_size: int) -> dict:
     import ds_canzona  # noqa: F401  (installs the engine hook)
-    from ds_canzona.bench.collective_log import CollectiveLog
-    from ds_canzona.bench.collectives import build_engine, count_steps, group_labeller, summarise
-    from ds_canzona.bench.fake_engine import fake_tensors
-    from ds_canzona.bench.fake_world import fake_world
+    from ds_canzona.bench.standins.collective_log import CollectiveLog
+    from ds_canzona.bench.benchmarks.collectives import build_engine, count_steps, group_labeller, summarise
+    from ds_canzona.bench.standins.fake_engine import fake_tensors
+    from ds_canzona.bench.standins.fake_world import fake_world
     from deepspeed.utils import groups
 
     log = CollectiveLog().install()
@@ -366,7 +366,7 @@ def test_tp_fake_tensors_record_the_real_calls_and_autotp_is_the_same_model_for_
 
 
 def test_markdown_names_the_tp_columns_and_where_each_cell_was_counted():
-    from ds_canzona.bench.collectives import format_markdown, merge_documents
+    from ds_canzona.bench.benchmarks.collectives import format_markdown, merge_documents
 
     def cell(system, tp, launches, tp_model, tp_step, commit):
         phases = {"forward": {"launches": tp_model, "p2p_ops": tp_model}, "step": {"launches": tp_step, "p2p_ops": 1}}
@@ -406,7 +406,7 @@ def test_zero3_fetch_launches_are_the_coordinators_and_the_same_for_both_systems
 def test_zero_overrides_are_parsed_recorded_and_kept_apart_and_the_fetches_shown():
     import argparse
 
-    from ds_canzona.bench.collectives import _zero_override, format_markdown, merge_documents
+    from ds_canzona.bench.benchmarks.collectives import _zero_override, format_markdown, merge_documents
 
     assert _zero_override("stage3_prefetch_bucket_size=5e8") == ("stage3_prefetch_bucket_size", 5e8)
     assert _zero_override('leaf_module={"classes": ["A"]}') == ("leaf_module", {"classes": ["A"]})

@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from ds_canzona.bench.baselines import (
+from ds_canzona.bench.benchmarks.baselines import (
     deepspeed_muon_loads,
     deepspeed_partition_touches,
     layerwise_loads,
     lpt_owners,
     synchronous_loads,
 )
-from ds_canzona.bench.makespan import STRATEGIES, main, scaled_config
+from ds_canzona.bench.benchmarks.makespan import STRATEGIES, main, scaled_config
 from ds_canzona.plan import ParamSpec
 
 
@@ -96,7 +96,7 @@ def test_dispatcher_lists_the_benchmarks(capsys):
 
 
 def test_calibrate_measures_a_positive_balance_consistent_with_its_rates(tmp_path, capsys):
-    from ds_canzona.bench.calibrate import main as calibrate_main
+    from ds_canzona.bench.benchmarks.calibrate import main as calibrate_main
 
     out = tmp_path / "calibrate.json"
     assert calibrate_main(["--matrix", "384", "--vector", str(2**20), "--repeats", "1", "--json", str(out)]) == 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from ds_canzona.bench.step import SYSTEMS, ModelShape, main, model_numel
+from ds_canzona.bench.benchmarks.step import SYSTEMS, ModelShape, main, model_numel
 
 TINY = ["--hidden", "32", "--layers", "2", "--intermediate", "64", "--vocab", "128", "--heads", "2", "--kv-heads", "1",
         "--head-dim", "16", "--seq", "16", "--micro-batch", "1"]
@@ -140,7 +140,7 @@ def test_held_bytes_counts_each_storage_once_by_category():
     import types
 
     import torch
-    from ds_canzona.bench._memory import held_bytes
+    from ds_canzona.bench.standins._memory import held_bytes
 
     model = torch.nn.Linear(8, 4, bias=False)  # 128 bytes
     model.weight.grad = torch.zeros(4, 8)  # 128
@@ -157,7 +157,7 @@ def test_step_memory_peak_sees_a_step_temporary():
     import types
 
     import torch
-    from ds_canzona.bench._memory import measure_step_memory
+    from ds_canzona.bench.standins._memory import measure_step_memory
 
     model = torch.nn.Linear(8, 4, bias=False)
     engine = types.SimpleNamespace(module=model, optimizer=types.SimpleNamespace())

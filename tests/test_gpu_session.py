@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_canzona.bench import gpu_engine, gpu_validate
+from ds_canzona.bench.gpu import engine as gpu_engine, validate as gpu_validate
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "gpu_session.sh"
@@ -248,7 +248,7 @@ def test_sync_count_counts_cuda_sync_warnings_and_passes_the_others_on(monkeypat
     # torch.cuda.set_sync_debug_mode("warn") makes every synchronising call emit.
     import warnings
 
-    from ds_canzona.bench import gpu_syncs
+    from ds_canzona.bench.gpu import syncs as gpu_syncs
 
     modes = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -1,4 +1,4 @@
-"""Host synchronisations: the counter (ds_canzona.bench.host_syncs) and the optimizer step's budget.
+"""Host synchronisations: the counter (ds_canzona.bench.standins.host_syncs) and the optimizer step's budget.
 
 The budget (docs/ARCHITECTURE.md, "One optimizer step"): in the steady state ds_canzona makes the
 host wait for the device once per optimizer step, to read the global gradient norm, which also
@@ -47,7 +47,7 @@ import torch
 from distributed import run_ranks
 from host_sync_workers import count_host_syncs
 
-from ds_canzona.bench.host_syncs import HostSyncCounter
+from ds_canzona.bench.standins.host_syncs import HostSyncCounter
 from ds_canzona.kernels import shampoo as newton_kernels
 from ds_canzona.optim.base import new_step
 from ds_canzona.optim.clipping import clip_coefficient

@@ -225,7 +225,7 @@ def test_imports_and_runs_without_triton() -> None:
 
 
 def test_bench_without_a_gpu_says_so_and_exits_zero(capsys: pytest.CaptureFixture, tmp_path) -> None:
-    from ds_canzona.bench.kernels import main
+    from ds_canzona.bench.benchmarks.kernels import main
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the bench would run")

@@ -46,7 +46,7 @@ except ImportError:  # pragma: no cover - another Triton layout
 
 import torch  # noqa: E402
 
-from ds_canzona.bench import kernels as bench  # noqa: E402
+from ds_canzona.bench.benchmarks import kernels as bench  # noqa: E402
 from ds_canzona.kernels import newton_schulz, shampoo, syrk  # noqa: E402
 from ds_canzona.kernels._common import TileConfig, is_interpreted  # noqa: E402
 

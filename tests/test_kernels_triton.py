@@ -355,7 +355,7 @@ def _worker() -> None:  # pragma: no cover - runs in the subprocess
     import contextlib
     import io
 
-    from ds_canzona.bench import kernels as bench
+    from ds_canzona.bench.benchmarks import kernels as bench
 
     args = bench._parse_args(["--repeats", "1", "--warmup", "0", "--sweep"])
     bench._sweep_configs = lambda: [TileConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=1)]

@@ -4,6 +4,9 @@ The factory that picks a runtime (``build``) sits above the runtimes; shared hel
 (``pricing``, ``comm``, ``owned``, ...) and version facts (``versions``) sit below them. A circle,
 even one hidden in a function-level import, means a module cannot be read (or tested) without the
 ones above it.
+
+ds_canzona/bench/'s rooms go one way too: ``benchmarks/`` and ``gpu/`` may import ``standins/``,
+which imports neither.
 """
 
 from __future__ import annotations
@@ -73,3 +76,37 @@ def test_cycle_finder_finds_a_planted_cycle():
     planted = {"hook": {"build"}, "build": {"stage3"}, "stage3": {"owner_placement"}, "owner_placement": {"hook"}}
     assert _cycle(planted) == ["build", "stage3", "owner_placement", "hook", "build"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+BENCH = PACKAGE.parent / "bench"
+ROOMS = ("benchmarks", "gpu", "standins")
+
+
+def _bench_rooms_imported(path: pathlib.Path) -> set[str]:
+    """The rooms of ds_canzona/bench/ (benchmarks, gpu, standins) that ``path`` imports anywhere."""
+    package = ["ds_canzona", *path.parent.relative_to(PACKAGE.parent).parts]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = [*base, *(node.module.split(".") if node.module else [])]
+            names = [module + [alias.name] for alias in node.names]
+        elif isinstance(node, ast.Import):
+            names = [alias.name.split(".") for alias in node.names]
+        else:
+            continue
+        found.update(n[2] for n in names if n[:2] == ["ds_canzona", "bench"] and len(n) > 2 and n[2] in ROOMS)
+    return found
+
+
+def test_bench_standins_import_neither_benchmarks_nor_gpu():
+    # benchmarks/ and gpu/ build on standins/ (fake worlds, meters, the rank spawner), which the
+    # tests use alone: it must not pull a benchmark or the GPU session in, lazy imports included.
+    files = {room: sorted((BENCH / room).glob("*.py")) for room in ROOMS}
+    assert all(files.values()), files
+    wrong = {str(f.relative_to(BENCH)): sorted(rooms) for f in files["standins"]
+             if (rooms := _bench_rooms_imported(f) - {"standins"})}
+    assert not wrong, f"standins/ imports another room: {wrong}"
+    # the finder itself sees both forms the rooms use
+    assert "standins" in _bench_rooms_imported(BENCH / "gpu" / "engine.py")  # from ..standins._ranks import ...
+    assert "standins" in _bench_rooms_imported(BENCH / "benchmarks" / "step_offload.py")  # absolute

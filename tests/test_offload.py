@@ -321,9 +321,9 @@ def test_copy_meter_counts_copies_across_the_host_boundary_at_the_crossing_dtype
 
     Copies count once, in their direction, only when exactly one side is a declared host tensor
     (views count as their storage); a conversion counts at the dtype PyTorch moves (module
-    docstring of ds_canzona.bench.offload_bytes); one-element copies are not counted.
+    docstring of ds_canzona.bench.standins.offload_bytes); one-element copies are not counted.
     """
-    from ds_canzona.bench.offload_bytes import CopyCount, HostDeviceCopyMeter
+    from ds_canzona.bench.standins.offload_bytes import CopyCount, HostDeviceCopyMeter
 
     host = torch.zeros(64)
     device = torch.zeros(64, dtype=torch.bfloat16)

@@ -684,7 +684,7 @@ def test_adamw_cuda_launches_of_a_small_tensor():
 
 
 def test_calibrate_reports_the_launch_term_in_the_models_units(tmp_path, capsys):
-    from ds_canzona.bench.calibrate import main as calibrate_main
+    from ds_canzona.bench.benchmarks.calibrate import main as calibrate_main
 
     out = tmp_path / "calibrate.json"
     assert calibrate_main(["--matrix", "256", "--vector", str(2**18), "--repeats", "1", "--json", str(out)]) == 0

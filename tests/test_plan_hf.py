@@ -112,7 +112,7 @@ def test_other_families_meet_the_balance_targets_through_hf_config(tmp_path: Pat
 
     roofline = cost_model("roofline", "muon", machine_balance=150.0)  # what `ds-canzona plan` uses by default
     kwargs = {"bucket_numel": 500_000_000, "split_numel": 2**22, "cost": roofline}
-    from ds_canzona.bench.balance import FAMILY_CONFIGS
+    from ds_canzona.bench.benchmarks.balance import FAMILY_CONFIGS
 
     for name, config in FAMILY_CONFIGS.items():
         path = tmp_path / f"{name}.json"

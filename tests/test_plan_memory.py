@@ -199,7 +199,7 @@ def test_two_chain_optimum_equals_brute_force():
 
 def joint_buckets(plan, specs, bucket_numel):
     """The plan's items bucketed as before tensors in pieces had buckets of their own."""
-    from ds_canzona.bench.balance import joint_item_buckets
+    from ds_canzona.bench.benchmarks.balance import joint_item_buckets
     from ds_canzona.plan import plan_buckets
     return joint_item_buckets(plan, plan_buckets(specs, bucket_numel))
 

@@ -52,7 +52,7 @@ def _specs(name: str, folder: str) -> tuple:
         return tuple(model_specs(name))
     from pathlib import Path
 
-    from ds_canzona.bench.balance import FAMILY_CONFIGS
+    from ds_canzona.bench.benchmarks.balance import FAMILY_CONFIGS
 
     path = Path(folder) / f"{name}.json"
     path.write_text(json.dumps(FAMILY_CONFIGS[name]))

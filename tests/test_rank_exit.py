@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from ds_canzona.bench._ranks import RankCrashed, _run_once
+from ds_canzona.bench.standins._ranks import RankCrashed, _run_once
 from zero_workers import init_engine, make_config
 
 from tiny_model import batches

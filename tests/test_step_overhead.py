@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_canzona.bench.step_ops import LaunchCounter
+from ds_canzona.bench.benchmarks.step_ops import LaunchCounter
 from ds_canzona.optim.adamw import AdamWRule
 from ds_canzona.optim.base import new_step
 from ds_canzona.optim.clipping import NORM_CHUNK_NUMEL, tensor_sq_norm

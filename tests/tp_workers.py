@@ -242,7 +242,7 @@ def _metered(method, meter):
 
 def tp_scenarios(rank: int, world_size: int, scenarios: list[dict]) -> list[dict]:
     """Several engines in a row on one (DP x TP) mesh; each scenario's result from this rank."""
-    from ds_canzona.bench._instrument import CollectiveMeter, force_deepspeed_ns_dtype
+    from ds_canzona.bench.standins._instrument import CollectiveMeter, force_deepspeed_ns_dtype
     from ds_canzona.config import CanzonaConfigError
 
     results = []

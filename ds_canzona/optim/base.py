@@ -151,7 +151,7 @@ def state_dtype(param: Tensor) -> torch.dtype:
 
 
 # Every live step counter, by identity. They are host tensors by design, so a tool that counts
-# the host's reads of device values (ds_canzona.bench.host_syncs) must be able to leave them out
+# the host's reads of device values (ds_canzona.bench.standins.host_syncs) must be able to leave them out
 # on a CPU run, where every tensor lives in the same memory.
 _STEP_COUNTERS: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
 

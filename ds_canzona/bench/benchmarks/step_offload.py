@@ -76,8 +76,9 @@ def _rank_main(rank: int, world_size: int, systems: list[str]) -> list[dict[str,
 
     import deepspeed
     import ds_canzona  # noqa: F401  (registers the engine hook)
-    from ds_canzona.bench._instrument import NewtonSchulzMeter
-    from ds_canzona.bench.offload_bytes import HostDeviceCopyMeter, deepspeed_host_storages, deepspeed_zero2_step_bytes
+    from ds_canzona.bench.standins._instrument import NewtonSchulzMeter
+    from ds_canzona.bench.standins.offload_bytes import (HostDeviceCopyMeter, deepspeed_host_storages,
+                                                         deepspeed_zero2_step_bytes)
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     ns = NewtonSchulzMeter().install()
@@ -147,7 +148,7 @@ def _deepspeed_offload_loads() -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ds_canzona.bench._ranks import run_ranks
+    from ds_canzona.bench.standins._ranks import run_ranks
 
     systems = ["ds_canzona"]
     why_not = None if args.no_deepspeed else _deepspeed_offload_loads()

@@ -7,7 +7,7 @@ random token batch repeated every step, so a working optimizer makes the loss fa
 timed per phase (forward, backward, ``engine.step()``) with the accelerator synchronised between
 phases. The first ``warmup`` steps are left out of the medians (Triton compiles, allocations,
 Shampoo's first inverse roots; every step's times are kept too). One more step, after the timed
-ones, counts the host synchronisations of each phase (``gpu_syncs``) outside those waits: the
+ones, counts the host synchronisations of each phase (``gpu.syncs``) outside those waits: the
 dispatch-mode counter costs Python time per op, so it never runs in a timed step. A case fails
 when it raises or its loss is not finite; each case is its own try/except. Cases left when the
 time budget is spent
@@ -38,17 +38,17 @@ from typing import Any
 
 import torch
 
-from .gpu_syncs import HOST_COUNTER_AVAILABLE, SyncCount
+from .syncs import HOST_COUNTER_AVAILABLE, SyncCount
 
 __all__ = ["EngineSettings", "model_config", "run_engines", "time_newton_schulz"]
 
 FULL_LAYERS = 28  # ds_canzona/data/qwen3/qwen3-0.6b.json's num_hidden_layers
-NS_K_TORCH = 1.5  # as gpu_validate.K_TORCH
+NS_K_TORCH = 1.5  # as validate.K_TORCH
 NS_UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 # The absolute bound on the orthogonalised matrix against float64, the one the CPU tests state for
 # Muon's iteration in that dtype (tests/test_optim_muon.py's BF16_VS_EXACT; fp16: its roundoff
 # 4.9e-4 amplified about 10x by the iteration, 4x margin). It is the verdict everywhere; the
-# torch yardstick is judged on a GPU only (gpu_validate's docstring says why not on the CPU).
+# torch yardstick is judged on a GPU only (validate's docstring says why not on the CPU).
 NS_BOUND = {torch.float16: 2e-2, torch.bfloat16: 8e-2}
 STAGES = (1, 2, 3)
 OPTIMIZERS = ("muon", "shampoo", "soap")
@@ -142,7 +142,7 @@ def close_one_rank(port: int) -> None:
     import deepspeed.comm as dist
     from deepspeed.accelerator import get_accelerator
 
-    from ._ranks import remove_shm_buffers
+    from ..standins._ranks import remove_shm_buffers
 
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -252,7 +252,7 @@ def run_engines(settings: EngineSettings, *, dist_backend: str, cases: list[tupl
 
     port = init_one_rank(dist_backend)
     if not HOST_COUNTER_AVAILABLE:
-        print("host-sync counter not available (ds_canzona.bench.host_syncs): host syncs counted by CUDA only",
+        print("host-sync counter not available (ds_canzona.bench.standins.host_syncs): host syncs counted by CUDA only",
               flush=True)
     deadline = time.monotonic() + settings.budget_s
     rows = []

@@ -16,7 +16,7 @@ Four systems are set side by side, on the same model, data and engine config:
   per piece instead of per tensor, for a more even split of those tensors' memory;
 - ds_canzona at stage 2 (``canzona-z2``), the runtime's most memory-frugal stage so far.
 
-Memory per rank comes from :mod:`ds_canzona.bench._memory` (held between steps by category, and
+Memory per rank comes from :mod:`ds_canzona.bench.standins._memory` (held between steps by category, and
 the peak of one step) and is printed for every system as max and average over the ranks.
 """
 
@@ -26,7 +26,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from ._memory import MEMORY_CATEGORIES
+from ..standins._memory import MEMORY_CATEGORIES
 
 __all__ = ["ZERO3_SYSTEMS", "memory_summary", "memory_table", "zero3_checks", "zero3_table"]
 

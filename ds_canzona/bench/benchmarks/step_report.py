@@ -283,7 +283,7 @@ def report(payload: dict[str, Any]) -> None:
 
 def plot_step(payload: dict[str, Any], path: str) -> None:
     """Iteration time per system, grouped by DP, one panel per optimizer."""
-    from ..plan.report import _pyplot
+    from ...plan.report import _pyplot
 
     pyplot = _pyplot()
     results = [CaseResult(**r) for r in payload["results"]]

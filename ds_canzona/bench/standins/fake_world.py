@@ -6,10 +6,10 @@ enough to build DeepSpeed engines and ds_canzona's runtimes at any data-parallel
 process, and to count or order what they issue. What a collective would have delivered is not
 there, and the fake backend still checks shapes (it rejects ds_canzona's uneven all-gather of a
 bucket, the NCCL path it takes on a backend other than gloo): wrap ``torch.distributed``'s
-collectives, as ``ds_canzona.bench.collective_log`` and ``tests/stream_standin.py`` do, to record
+collectives, as ``ds_canzona.bench.standins.collective_log`` and ``tests/stream_standin.py`` do, to record
 them and give outputs values.
 
-Use it in a process of its own (``ds_canzona.bench._ranks.run_ranks(fn, 1)``): it sets the
+Use it in a process of its own (``ds_canzona.bench.standins._ranks.run_ranks(fn, 1)``): it sets the
 environment DeepSpeed reads, initialises the global process group and leaves DeepSpeed's group
 caches filled, which nothing undoes completely.
 """

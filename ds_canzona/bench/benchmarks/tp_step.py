@@ -28,7 +28,7 @@ import statistics
 import time
 from collections.abc import Sequence
 
-from ..cli import Command, OneLineParser
+from ...cli import Command, OneLineParser
 
 SYSTEMS = ("micro-groups", "synchronous", "deepspeed")
 MODEL = dict(vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
@@ -68,7 +68,7 @@ def _rank(rank: int, world_size: int, tp: int, steps: int, warmup: int, micro_gr
     import deepspeed
     import ds_canzona  # noqa: F401  (the engine hook)
     import ds_canzona.zero.tp as tp_runtime
-    from ds_canzona.bench._instrument import force_deepspeed_ns_dtype
+    from ds_canzona.bench.standins._instrument import force_deepspeed_ns_dtype
 
     force_deepspeed_ns_dtype(torch.float32)
     dp_rank = rank // tp
@@ -196,7 +196,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ._ranks import run_ranks
+    from ..standins._ranks import run_ranks
 
     world = args.tp * args.dp
     results = run_ranks(_rank, world, args.tp, args.steps, args.warmup, int(args.micro_group_mb * 2**20),

@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from ..cli import Command, OneLineParser
+from ...cli import Command, OneLineParser
 
 __all__ = ["CALIBRATE", "Calibration", "calibrate", "main"]
 
@@ -77,9 +77,9 @@ def calibrate(*, matrix: int, vector: int, repeats: int = 3, threads: int | None
     """Time one Muon step on ``matrix`` x ``matrix`` and one AdamW step on ``vector`` elements, fp32."""
     import torch
 
-    from ..optim import rule_for_group
-    from ..plan import ParamSpec, StepWork, default_launch_bytes, default_machine_balance, optimizer_work
-    from ..plan.cost import STATE_ELEMENT_BYTES
+    from ...optim import rule_for_group
+    from ...plan import ParamSpec, StepWork, default_launch_bytes, default_machine_balance, optimizer_work
+    from ...plan.cost import STATE_ELEMENT_BYTES
 
     if matrix < 2 or vector < 1 or repeats < 1:
         raise ValueError(f"need matrix >= 2, vector >= 1, repeats >= 1; got {matrix}, {vector}, {repeats}")

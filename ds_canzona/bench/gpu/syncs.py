@@ -2,7 +2,7 @@
 
 Two independent counters, each used where it can be:
 
-* ``ds_canzona.bench.host_syncs.HostSyncCounter``: a dispatch-mode counter of the ops that read a
+* ``ds_canzona.bench.standins.host_syncs.HostSyncCounter``: a dispatch-mode counter of the ops that read a
   device value on the host (``item``, ``bool``, ``tolist``, ``nonzero``, copies to the CPU, ...), with
   the op and a short Python location per sync. It works on any device. If that module is not
   importable here, ``HOST_COUNTER_AVAILABLE`` is False and its count is None.
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 try:
-    from ds_canzona.bench.host_syncs import HostSyncCounter
+    from ds_canzona.bench.standins.host_syncs import HostSyncCounter
 except ImportError:  # the counter is another module's; the session still runs without it
     HostSyncCounter = None
 

@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..cli import Command
+from ...cli import Command
 
 __all__ = ["ZERO3_MEMORY", "SYSTEMS", "run_memory_bench"]
 
@@ -179,7 +179,7 @@ def _rank_main(rank: int, world_size: int, settings: dict[str, Any]) -> list[dic
 
 def run_memory_bench(*, dps: Sequence[int], systems: Sequence[str], shape: dict[str, Any], steps: int,
                      bucket_numel: int) -> dict[str, Any]:
-    from ._ranks import run_ranks
+    from ..standins._ranks import run_ranks
 
     payload: dict[str, Any] = {"shape": shape, "steps": steps, "bucket_numel": bucket_numel, "results": {}}
     for dp in dps:

@@ -149,7 +149,7 @@ def _ops_rank_main(rank: int, world_size: int, settings: dict[str, Any]) -> list
 def measure_ops(*, dp: int, systems: list[str], optimizer: str, shape, bucket_numel: int, ns_method: str,
                 warmup: int, timeout: float) -> dict[str, list[dict[str, Any]]]:
     """Per system, this DP size's rows (one per rank) of ``count_step_ops``."""
-    from ._ranks import run_ranks
+    from ..standins._ranks import run_ranks
 
     settings = {"shape": shape, "systems": systems, "optimizer": optimizer, "bucket_numel": bucket_numel,
                 "ns_method": ns_method, "warmup": warmup}

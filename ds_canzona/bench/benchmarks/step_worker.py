@@ -121,7 +121,7 @@ def _run_cases(cases: list[_Case], settings: dict[str, Any], rank: int, world_si
     Step s of every system runs between step s-1 and step s+1 of every other one; the order rotates
     from one step to the next, so no system always follows the same neighbour.
     """
-    from ._memory import measure_step_memory
+    from ..standins._memory import measure_step_memory
 
     shape: ModelShape = settings["shape"]
     warmup, steps = settings["warmup"], settings["steps"][cases[0].optimizer]
@@ -164,7 +164,7 @@ def _rank_main(rank: int, world_size: int, settings: dict[str, Any]) -> list[dic
     import deepspeed
     import ds_canzona  # noqa: F401  (installs the engine hook)
 
-    from ._instrument import CollectiveMeter, NewtonSchulzMeter, force_deepspeed_ns_dtype
+    from ..standins._instrument import CollectiveMeter, NewtonSchulzMeter, force_deepspeed_ns_dtype
 
     for name in ("DeepSpeed", "deepspeed", "ds_canzona"):
         logging.getLogger(name).setLevel(logging.WARNING)

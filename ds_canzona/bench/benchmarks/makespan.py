@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..cli import Command, OneLineParser
+from ...cli import Command, OneLineParser
 
 __all__ = ["MAKESPAN", "MakespanRow", "main", "makespan_study", "scaled_config", "time_shapes"]
 
@@ -64,7 +64,7 @@ LABELS = {
 
 def scaled_config(name: str, scale: int) -> dict[str, Any]:
     """A shipped Qwen3 config with hidden, intermediate, heads, KV heads and vocab divided by ``scale``."""
-    from ..plan import load_model_config
+    from ...plan import load_model_config
 
     config = dict(load_model_config(name))
     if scale < 1:
@@ -87,7 +87,7 @@ def _piece_size(text: str) -> int:
 
 
 def _rule(kind: str, ns_method: str):
-    from ..optim import rule_for_group
+    from ...optim import rule_for_group
 
     if kind == "muon":
         return rule_for_group({"kind": "muon", "ns_method": ns_method})
@@ -162,8 +162,8 @@ class MakespanRow:
 def makespan_study(models: Sequence[str], *, scale: int, dps: Sequence[int], bucket_numel: int | None,
                    machine_balance: float, split_numel: int | None = None, ns_method: str = "gram", repeats: int = 5,
                    stored: dict[str, Any] | None = None, log=None) -> tuple[list[MakespanRow], dict[str, Any]]:
-    from ..plan import DEFAULT_SPLIT_NUMEL, cost_model, default_launch_bytes, plan_dp_partitions, qwen3_specs
-    from ..plan.memory import memory_model
+    from ...plan import DEFAULT_SPLIT_NUMEL, cost_model, default_launch_bytes, plan_dp_partitions, qwen3_specs
+    from ...plan.memory import memory_model
     from .baselines import deepspeed_muon_loads, layerwise_loads, lpt_owners, plan_loads, synchronous_loads
 
     memory = memory_model("muon", param_bytes=4)  # the shapes are timed in fp32
@@ -261,7 +261,7 @@ def summary(rows: Sequence[MakespanRow]) -> list[str]:
 
 
 def plot_makespan(rows: Sequence[MakespanRow], path: str) -> None:
-    from ..plan.report import _pyplot
+    from ...plan.report import _pyplot
 
     pyplot = _pyplot()
     models = list(dict.fromkeys(row.model for row in rows))
@@ -313,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     started = time.perf_counter()
-    from ..plan import default_machine_balance
+    from ...plan import default_machine_balance
 
     balance = args.machine_balance or default_machine_balance("cpu")
     if balance <= 0:

@@ -51,7 +51,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from ..cli import Command, OneLineParser
+from ...cli import Command, OneLineParser
 from .step_report import CaseResult, _aggregate, checks, merge_payloads, plot_step, report
 from .step_systems import (BENCH_OPTIMIZERS, MUON_PARAMS, SHAMPOO_PARAMS, SYSTEMS, ModelShape, System,  # noqa: F401
                            _build_model, model_numel)
@@ -85,7 +85,7 @@ def run_step_bench(*, dps: Sequence[int], systems: Sequence[str], optimizers: Se
                    bucket_numel: int, timeout: float,
                    log=print) -> tuple[list[CaseResult], list[dict[str, Any]], dict[int, Any]]:
     """Every (system, optimizer) at every DP size: the measured cells, the refused ones, the collectives alone."""
-    from ._ranks import run_ranks
+    from ..standins._ranks import run_ranks
 
     cases = [(key, opt) for opt in optimizers for key in systems if opt in SYSTEMS[key].optimizers]
     settings = {"shape": shape, "warmup": warmup,
@@ -185,7 +185,7 @@ def _run_ops(args: argparse.Namespace) -> int:
     setting = {"dp": dp, "optimizer": optimizer, "model": asdict(shape), "bucket_numel": bucket_numel}
     same = BEFORE and {k: BEFORE.get(k) for k in setting} == setting
     print(f"Model: {shape.describe()}. DP={dp}, {optimizer}, bucket {bucket_numel} elements; one steady-state "
-          "step per row, counted by a dispatch mode (ds_canzona.bench.step_ops).")
+          "step per row, counted by a dispatch mode (ds_canzona.bench.benchmarks.step_ops).")
     print("before: " + (f"recorded at commit {BEFORE['commit']} on the same setting" if same else
                         "not recorded for this setting (the record is for the default model, DP=2, Muon)") + "\n")
     print(ops_table(rows, BEFORE if same else None))

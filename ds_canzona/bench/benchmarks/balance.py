@@ -38,9 +38,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..cli import Command
-from ..plan import DPPlan, ParamSpec, cost_model, lpt_loads, model_specs, plan_buckets, plan_dp_partitions
-from ..plan.dp import DEFAULT_SPLIT_NUMEL, MemoryCapError, alpha_balanced
+from ...cli import Command
+from ...plan import DPPlan, ParamSpec, cost_model, lpt_loads, model_specs, plan_buckets, plan_dp_partitions
+from ...plan.dp import DEFAULT_SPLIT_NUMEL, MemoryCapError, alpha_balanced
 
 __all__ = ["BALANCE", "FAMILY_CONFIGS", "PLAN_SPEED", "BalanceRow", "MemoryRow", "SweepRow", "alpha_sweep",
            "balance_study", "memory_study", "plan_speed"]
@@ -256,7 +256,7 @@ def family_specs(names: Sequence[str], folder: str) -> list[tuple[str, list[Para
     """Specs of ``FAMILY_CONFIGS`` entries, each written as ``folder/<name>/config.json`` and read back."""
     import os
 
-    from ..plan import specs_from_hf_config
+    from ...plan import specs_from_hf_config
 
     sources = []
     for name in names:
@@ -343,7 +343,7 @@ def sweep_markdown(rows: Sequence[SweepRow], *, model: str, dp: int, bucket_nume
 
 
 def plot_balance(rows: Sequence[BalanceRow], sweep: Sequence[SweepRow], path: str, *, sweep_title: str) -> None:
-    from ..plan.report import _pyplot
+    from ...plan.report import _pyplot
 
     pyplot = _pyplot()
     models = list(dict.fromkeys(row.model for row in rows))

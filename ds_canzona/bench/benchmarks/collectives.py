@@ -47,7 +47,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..cli import Command
+from ...cli import Command
 
 __all__ = ["COLLECTIVES", "SYSTEMS", "CellResult", "build_engine", "count_steps", "format_markdown", "format_table",
            "merge_documents", "run_cell", "run_world", "summarise"]
@@ -318,7 +318,7 @@ def run_cell(system_key: str, stage: int, dp: int, source: dict[str, Any], *, bu
     """Build the engine of one cell in the current fake world, take two steps, summarise the second."""
     from ds_canzona.config import CanzonaConfigError
 
-    from .fake_engine import fake_tensors
+    from ..standins.fake_engine import fake_tensors
 
     started = time.perf_counter()
     with fake_tensors(enabled=fake):
@@ -360,8 +360,8 @@ def run_world(rank: int, world_size: int, cells: list[tuple[str, int]], source: 
     import logging
 
     import ds_canzona  # noqa: F401  (installs the engine hook)
-    from .collective_log import CollectiveLog
-    from .fake_world import fake_world
+    from ..standins.collective_log import CollectiveLog
+    from ..standins.fake_world import fake_world
 
     for name in ("DeepSpeed", "deepspeed", "ds_canzona"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -409,7 +409,7 @@ def run_collectives(args: argparse.Namespace) -> int:
 
 
 def _count(args: argparse.Namespace) -> dict[str, Any]:
-    from ._ranks import run_ranks
+    from ..standins._ranks import run_ranks
 
     unknown = [name for name in args.systems if name not in SYSTEMS]
     if unknown:
@@ -441,7 +441,7 @@ def _source_commit() -> str:
     import subprocess
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     try:
         commit = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=root, capture_output=True, text=True,
                                 check=True).stdout.strip()

@@ -4,10 +4,10 @@ scripts/gpu_session.sh runs each phase in its own process (a compile error or a 
 context in one cannot stop the next):
 
 * ``env``: the versions, the device, the commit and which checkout's code runs, as one JSON line;
-* ``validate``: every kernel through its public function against float64 (``gpu_validate``),
+* ``validate``: every kernel through its public function against float64 (``gpu.validate``),
   with the backend forced to ``triton``, then under ``default``; the text of
   ``kernels.backend_report()`` when the kernels provide one;
-* ``engine``: DeepSpeed engine steps on one device, ZeRO-1/2/3 x Muon/Shampoo/SOAP (``gpu_engine``);
+* ``engine``: DeepSpeed engine steps on one device, ZeRO-1/2/3 x Muon/Shampoo/SOAP (``gpu.engine``);
 * ``ns-time``: Muon's Newton-Schulz with the Triton kernels against torch at the model's shapes.
 
 Each prints one line per case, a ``RESULT`` line, and writes ``OUT/<phase>.json``; the exit
@@ -29,7 +29,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from ..cli import Command, OneLineParser
+from ...cli import Command, OneLineParser
 
 __all__ = ["GPU_CHECK", "main"]
 
@@ -77,8 +77,8 @@ def environment() -> dict[str, Any]:
         "transformers": _version("transformers"),
         "commit": os.environ.get("GPU_SESSION_COMMIT", "unknown"),
         # Which checkout's code runs, and the path it was imported by (the session's package view).
-        "package": str(Path(__file__).resolve().parent.parent),
-        "imported_from": str(Path(__file__).parent.parent),
+        "package": str(Path(__file__).resolve().parents[2]),
+        "imported_from": str(Path(__file__).parents[2]),
         "triton_interpret": os.environ.get("TRITON_INTERPRET", ""),
     }
     if torch.cuda.is_available():
@@ -138,7 +138,7 @@ def validate_dtypes(dtypes: Sequence[str], ops: Sequence[str] | None, *, dry: bo
     the rows and the kernels' backend report. A worker process runs this for its dtype."""
     import torch
 
-    from . import gpu_validate
+    from . import validate
 
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # torch's fp32 yardstick in IEEE fp32, as the kernels' default
@@ -147,11 +147,11 @@ def validate_dtypes(dtypes: Sequence[str], ops: Sequence[str] | None, *, dry: bo
 
     if dry and K.TRITON_AVAILABLE and not is_interpreted(K.syrk_kernel):
         raise RuntimeError("the dry run needs TRITON_INTERPRET=1 set before ds_canzona.kernels is imported")
-    selected = gpu_validate.cases(dry=dry, ops=ops, dtypes=dtypes)
+    selected = validate.cases(dry=dry, ops=ops, dtypes=dtypes)
     rows = []
     for backend in ("triton", "default"):
-        rows += gpu_validate.run_cases(selected, backend=backend, device=device,
-                                       report=lambda row: _print(gpu_validate.format_row(row)))
+        rows += validate.run_cases(selected, backend=backend, device=device,
+                                       report=lambda row: _print(validate.format_row(row)))
     return rows, _backend_report()
 
 
@@ -163,7 +163,7 @@ def _validate_in_workers(dtypes: Sequence[str], ops: Sequence[str] | None, *, wo
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from . import gpu_validate
+    from . import validate
 
     rows: list[dict[str, Any]] = []
     reports = []
@@ -178,7 +178,7 @@ def _validate_in_workers(dtypes: Sequence[str], ops: Sequence[str] | None, *, wo
                 group_rows = [{"case": case.name, "op": case.op, "dtype": dtype, "shape": list(case.shape),
                                "variant": case.variant, "backend": backend, "passed": False, "reason": reason}
                               for backend in ("triton", "default")
-                              for case in gpu_validate.cases(dry=dry, ops=ops, dtypes=[dtype])]
+                              for case in validate.cases(dry=dry, ops=ops, dtypes=[dtype])]
                 report = None
             rows += group_rows
             if report:
@@ -187,21 +187,21 @@ def _validate_in_workers(dtypes: Sequence[str], ops: Sequence[str] | None, *, wo
 
 
 def _run_validate(args: argparse.Namespace) -> int:
-    from . import gpu_validate
+    from . import validate
 
     started = time.perf_counter()
     device = _device(args.dry_run)
     ops = _split(args.ops)
-    dtypes = _split(args.dtypes) or list(gpu_validate.DTYPES)
-    gpu_validate.cases(dry=args.dry_run, ops=ops, dtypes=dtypes)  # unknown names fail here, before any work
+    dtypes = _split(args.dtypes) or list(validate.DTYPES)
+    validate.cases(dry=args.dry_run, ops=ops, dtypes=dtypes)  # unknown names fail here, before any work
     # The dry run takes the worker path too (it is the GPU's), with two processes for the two cores.
     workers = args.workers if args.workers is not None else (2 if args.dry_run else len(dtypes))
     where = "in this process" if workers <= 1 else f"a process per dtype, {min(workers, len(dtypes))} at a time"
-    _print(f"validate: {len(gpu_validate.cases(dry=args.dry_run, ops=ops, dtypes=dtypes))} cases x backends "
+    _print(f"validate: {len(validate.cases(dry=args.dry_run, ops=ops, dtypes=dtypes))} cases x backends "
            f"triton, default on {device} ({where}); "
-           f"a case passes when err <= its fixed bound and the largest error <= {gpu_validate.MAX_OF_BOUND:g} x "
-           f"that bound, and on a GPU err <= {gpu_validate.K_TORCH:g} x torch + {gpu_validate.FLOOR_U:g} u and the "
-           f"largest error <= {gpu_validate.K_MAX:g} x torch's + u (u: the output dtype's unit roundoff)")
+           f"a case passes when err <= its fixed bound and the largest error <= {validate.MAX_OF_BOUND:g} x "
+           f"that bound, and on a GPU err <= {validate.K_TORCH:g} x torch + {validate.FLOOR_U:g} u and the "
+           f"largest error <= {validate.K_MAX:g} x torch's + u (u: the output dtype's unit roundoff)")
     if workers <= 1:
         rows, report = validate_dtypes(dtypes, ops, dry=args.dry_run, device=device)
         reports = [report] if report else []
@@ -209,25 +209,26 @@ def _run_validate(args: argparse.Namespace) -> int:
         rows, reports = _validate_in_workers(dtypes, ops, workers=workers, dry=args.dry_run, device=device)
     report = "\n".join(reports) or None
     _print("backend report:\n" + report if report else "backend report: kernels.backend_report() not available")
-    payload = {"env": environment(), "k_torch": gpu_validate.K_TORCH, "floor_u": gpu_validate.FLOOR_U,
-               "k_max": gpu_validate.K_MAX,
-               "max_of_bound": gpu_validate.MAX_OF_BOUND, "bound_u": gpu_validate.BOUND_U, "rows": rows, "backend_report": report}
+    payload = {"env": environment(), "k_torch": validate.K_TORCH, "floor_u": validate.FLOOR_U,
+               "k_max": validate.K_MAX,
+               "max_of_bound": validate.MAX_OF_BOUND, "bound_u": validate.BOUND_U, "rows": rows,
+               "backend_report": report}
     return _result("validate", rows, time.perf_counter() - started, _write(Path(args.out), "validate", payload))
 
 
 def _run_engine(args: argparse.Namespace) -> int:
-    from . import gpu_engine
+    from . import engine
 
     started = time.perf_counter()
     device = _device(args.dry_run)
-    settings = gpu_engine.EngineSettings.for_run(dry=args.dry_run, layers=args.layers, budget_s=args.budget_s)
-    depth = ("" if args.dry_run or settings.layers == gpu_engine.FULL_LAYERS
-             else f" (FEWER LAYERS than the 0.6B model's {gpu_engine.FULL_LAYERS})")
+    settings = engine.EngineSettings.for_run(dry=args.dry_run, layers=args.layers, budget_s=args.budget_s)
+    depth = ("" if args.dry_run or settings.layers == engine.FULL_LAYERS
+             else f" (FEWER LAYERS than the 0.6B model's {engine.FULL_LAYERS})")
     _print(f"engine: Qwen3-0.6B-shaped{' (dry run: cut down)' if args.dry_run else ''}, {settings.layers} layers"
            f"{depth}, bf16, micro-batch {settings.micro_batch} x {settings.seq} tokens, DP=1 on {device}; "
            f"{settings.warmup} warm-up + {settings.steps} timed steps + 1 step counting host syncs per case")
-    rows = gpu_engine.run_engines(settings, dist_backend="gloo" if device == "cpu" else "nccl",
-                                  report=lambda row: _print(gpu_engine.format_engine_row(row)))
+    rows = engine.run_engines(settings, dist_backend="gloo" if device == "cpu" else "nccl",
+                                  report=lambda row: _print(engine.format_engine_row(row)))
     for row in rows:
         for phase, sites in row.get("sync_sites", {}).items():
             for site, count in sorted(sites.items(), key=lambda kv: -kv[1])[:8]:
@@ -235,20 +236,20 @@ def _run_engine(args: argparse.Namespace) -> int:
     report = _backend_report()
     _print("backend report:\n" + report if report else "backend report: kernels.backend_report() not available")
     payload = {"env": environment(), "settings": asdict(settings),
-               "model_config": gpu_engine.model_config(settings), "rows": rows, "backend_report": report}
+               "model_config": engine.model_config(settings), "rows": rows, "backend_report": report}
     return _result("engine", rows, time.perf_counter() - started, _write(Path(args.out), "engine", payload))
 
 
 def _run_ns_time(args: argparse.Namespace) -> int:
-    from . import gpu_engine
+    from . import engine
 
     started = time.perf_counter()
     device = _device(args.dry_run)
-    settings = gpu_engine.EngineSettings.for_run(dry=args.dry_run, layers=args.layers)
+    settings = engine.EngineSettings.for_run(dry=args.dry_run, layers=args.layers)
     repeats = args.repeats or (1 if args.dry_run else 10)
     _print(f"ns-time: Muon's orthogonalize (5 steps), triton vs torch kernels backend, median of {repeats} on {device}")
-    rows = gpu_engine.time_newton_schulz(settings, device=device, repeats=repeats,
-                                         report=lambda row: _print(gpu_engine.format_ns_row(row)))
+    rows = engine.time_newton_schulz(settings, device=device, repeats=repeats,
+                                         report=lambda row: _print(engine.format_ns_row(row)))
     payload = {"env": environment(), "repeats": repeats, "rows": rows}
     return _result("ns-time", rows, time.perf_counter() - started, _write(Path(args.out), "ns-time", payload))
 
