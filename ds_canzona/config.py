@@ -96,11 +96,13 @@ class CanzonaConfig(DeepSpeedConfigModel):
     """Timeout (s) of the default and data-parallel process groups once the optimizer is built: a dead or
     hung peer makes every collective (steps, checkpoint saves and loads) raise within this bound."""
 
-    collectives: Literal["default", "grouped", "padded"] = "default"
-    """Form of each bucket's reduce-scatter and all-gather (stages 1/2): one rank-rooted reduce /
-    broadcast per non-empty segment in one grouped launch (grouped; gloo: the uneven list reduce-scatter
-    and single broadcasts), one equal-size collective over segments padded to the bucket's largest
-    (padded), or per bucket whichever the cost model prices lower (default; grouped on gloo). ds_canzona.plan.collectives.
+    collectives: Literal["default", "grouped", "padded", "allreduce"] = "default"
+    """Form of each bucket's reduce-scatter and each gather group's all-gather (stages 1/2): one rank-rooted reduce /
+    broadcast per non-empty segment in one grouped launch (grouped, the fewest bytes; gloo: the uneven list
+    reduce-scatter and single broadcasts), one equal-size collective over segments padded to the bucket's largest
+    (padded), one in-place all-reduce (allreduce: a gather group's all-gather is then one operation), or one
+    operation each, padded or all-reduced as the cost model prices lower (default, so a step's operations do not
+    grow with the world size; grouped on gloo). ds_canzona.plan.collectives.
     ZeRO-3: "grouped" issues each fetch's broadcasts, each gradient bucket's reduces and the post-step refresh of
     persistent parameters as one grouped launch (one NCCL group; gloo cannot group and runs them one by one);
     "padded" issues each as one equal-size all_gather_into_tensor / reduce_scatter_tensor, every owner's segment
@@ -113,7 +115,8 @@ class CanzonaConfig(DeepSpeedConfigModel):
     this times max(1, log2 P). Default: 5e-6 (NCCL-like)."""
 
     collective_bytes_per_s: float | None = Field(None, gt=0.0, allow_inf_nan=False)
-    """collectives "default" only: the wire bandwidth (bytes/s) that prices the padding. Default: 5e10 (400 Gb/s)."""
+    """collectives "default" only: the wire bandwidth (bytes/s) that prices the padding and the all-reduce's second
+    pass. Default: 5e10 (400 Gb/s)."""
 
     @property
     def collective_costs(self) -> CollectiveCosts:

@@ -49,8 +49,8 @@ def run_plan(args: argparse.Namespace) -> int:
         specs, world_size=args.dp, bucket_numel=args.bucket_numel, alpha=args.alpha, strategy=args.strategy, cost=cost,
         split_numel=args.split_numel, memory=_memory_model(args), max_state_bytes_per_rank=args.max_state_bytes,
     )
-    forms = _collective_forms(args, plan.buckets)
     gather_groups = all_gather_groups(len(plan.buckets), args.all_gather_groups)
+    forms = _collective_forms(args, plan.buckets, gather_groups)
     tp_plan = None
     if args.tp > 1:
         tp_plan = plan_tp_micro_groups(specs, tp_size=args.tp, capacity_bytes=args.tp_capacity_mb * 2**20, cost=cost)
@@ -83,21 +83,22 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _collective_forms(args: argparse.Namespace, buckets) -> BucketForms:
+def _collective_forms(args: argparse.Namespace, buckets, gather_groups) -> BucketForms:
     """The runtime's choice of bucket collectives for this plan (both in the --dtype, the default communication dtype)."""
     defaults = CollectiveCosts()
     costs = CollectiveCosts(launch_s=args.collective_launch_s or defaults.launch_s,
                             bytes_per_s=args.collective_bytes_per_s or defaults.bytes_per_s)
     element = PARAM_BYTES[args.dtype]
     return bucket_forms([bucket.cuts for bucket in buckets], reduce_scatter_bytes=element, all_gather_bytes=element,
-                        backend=args.backend, setting=args.collectives, costs=costs)
+                        backend=args.backend, setting=args.collectives, costs=costs, gather_groups=gather_groups)
 
 
 def _forms_document(forms: BucketForms) -> dict[str, Any]:
     summaries = {"reduce_scatter": forms.reduce_scatter_summary, "all_gather": forms.all_gather_summary}
     return {"setting": forms.setting, "backend": forms.backend,
             **{name: {"forms": list(getattr(forms, name)), "padded": summary.padded, "grouped": summary.grouped,
-                      "padding_bytes": summary.padding_bytes, "bucket_bytes": summary.bucket_bytes,
+                      "all_reduced": summary.all_reduced, "padding_bytes": summary.padding_bytes,
+                      "second_pass_bytes": summary.second_pass_bytes, "bucket_bytes": summary.bucket_bytes,
                       "grouped_s": summary.grouped_s, "padded_s": summary.padded_s,
                       "operations": summary.operations}
                for name, summary in summaries.items()}}

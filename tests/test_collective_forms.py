@@ -36,66 +36,102 @@ GRID = 2.0 ** -20
 
 
 # --------------------------------------------------------------------------- the choice, one process
-def test_cost_model_picks_padded_when_launches_outweigh_the_padding():
+def test_default_is_one_operation_padded_or_all_reduced_as_the_cost_model_prices():
     from ds_canzona.plan.collectives import CollectiveCosts, choose_form, padding_numel
 
     costs = CollectiveCosts(launch_s=5e-6, bytes_per_s=50e9)
     cuts = (0, 100, 250, 250, 400)  # sizes 100, 150, 0, 150: padding 4 * 150 - 400 = 200 elements
     assert padding_numel(cuts) == 200
-    # 3 ops (the empty segment issues none) of 10 us each against one op, the staging and 800 bytes: padded.
+    # 3 ops (the empty segment issues none) of 10 us each; one op with the staging and 800 bytes of padding; one
+    # all-reduce whose second pass moves the 1600 bytes again: the all-reduce, one operation, in place.
     assert costs.grouped_s(cuts) == pytest.approx(3 * 5e-6 * 2)
     assert costs.padded_s(cuts, 4) == pytest.approx(5e-6 * 2 + 2 * 5e-6 + 800 / 50e9)
-    assert choose_form(cuts, element_bytes=4, backend="nccl") == "padded"
-    # The same cuts scaled up until the padding costs more on the wire than the launches save.
-    huge = tuple(c * 10_000_000 for c in cuts)
-    assert costs.padded_s(huge, 4) > costs.grouped_s(huge)
-    assert choose_form(huge, element_bytes=4, backend="nccl") == "grouped"
-    # A slower wire moves the threshold: fewer bytes of padding already tip it.
-    assert choose_form(tuple(c * 10_000 for c in cuts), element_bytes=4, backend="nccl",
-                       costs=CollectiveCosts(bytes_per_s=1e8)) == "grouped"
-    # Equal segments: nothing to pad, one launch beats P at any size.
+    assert costs.all_reduce_s(cuts, 4) == pytest.approx(5e-6 * 2 + 1600 / 50e9)
+    assert choose_form(cuts, element_bytes=4, backend="nccl") == "allreduce"
+    # Large and nearly even: the padding (0.5e6 elements) costs less than a second pass of 3.5e6: padded.
+    even = (0, 10**6, 2 * 10**6, 3 * 10**6, 3 * 10**6 + 5 * 10**5)
+    assert costs.padded_s(even, 4) < costs.all_reduce_s(even, 4)
+    assert choose_form(even, element_bytes=4, backend="nccl") == "padded"
+    # Large and one big segment: 8.5e6 elements of padding against 3.5e6 again: the all-reduce.
+    skewed = (0, 3 * 10**6, 3 * 10**6, 3 * 10**6, 3 * 10**6 + 5 * 10**5)
+    assert choose_form(skewed, element_bytes=4, backend="nccl") == "allreduce"
+    # A slower wire makes the staging's two launches cheap against bytes: 10 elements of padding then beat 390.
+    near = (0, 100, 200, 300, 390)
+    assert choose_form(near, element_bytes=4, backend="nccl") == "allreduce"
+    assert choose_form(near, element_bytes=4, backend="nccl", costs=CollectiveCosts(bytes_per_s=1e8)) == "padded"
+    # Equal segments: nothing to pad, no staging: padded at any size.
     assert choose_form((0, 10**9, 2 * 10**9), element_bytes=4, backend="nccl") == "padded"
+    assert choose_form((0, 3, 6), element_bytes=4, backend="nccl") == "padded"
 
 
-def test_latency_grows_with_the_ring_and_grouped_pays_for_non_empty_segments_only():
-    from ds_canzona.plan.collectives import CollectiveCosts, choose_form, nonempty_segments
+def test_one_operation_at_every_world_size_and_one_owner_keeps_its_reduce():
+    from ds_canzona.plan.collectives import CollectiveCosts, choose_form, form_operations, nonempty_segments
 
     costs = CollectiveCosts()
     assert costs.latency_s(2) == costs.latency_s(1) == costs.launch_s
     assert costs.latency_s(1024) == pytest.approx(10 * costs.launch_s)
-    # One rank holding the whole bucket: one reduce / broadcast, however many ranks; padding can only lose.
+    # One rank holding the whole bucket: one reduce / broadcast, however many ranks; nothing else is one operation
+    # with no extra byte.
     numel = 2_000_000
     at_1024 = (0, numel) + (numel,) * 1023
     assert nonempty_segments(at_1024) == 1
-    assert costs.grouped_s(at_1024) == pytest.approx(costs.latency_s(1024))
     assert choose_form(at_1024, element_bytes=2, backend="nccl") == "grouped"
-    # 256 equal owners among 1024 ranks: 256 launches of 50 us against one collective and 768
-    # empty slots of padding: at small segments padded wins, at large ones the padding costs more.
-    small = tuple(min(r, 256) * 1_000 for r in range(1025))
-    large = tuple(min(r, 256) * 1_000_000 for r in range(1025))
-    assert nonempty_segments(small) == nonempty_segments(large) == 256
-    assert choose_form(small, element_bytes=2, backend="nccl") == "padded"
-    assert choose_form(large, element_bytes=2, backend="nccl") == "grouped"
+    assert form_operations("grouped", at_1024) == 1
+    # 256 equal owners among 1024 ranks: grouped would be 256 operations; the padding (3x the data) costs more
+    # than the all-reduce's second pass, small or large.
+    for scale in (1_000, 1_000_000):
+        cuts = tuple(min(r, 256) * scale for r in range(1025))
+        assert nonempty_segments(cuts) == 256 == form_operations("grouped", cuts)
+        assert choose_form(cuts, element_bytes=2, backend="nccl") == "allreduce"
+        assert form_operations("allreduce", cuts) == form_operations("padded", cuts) == 1
+    assert form_operations("allreduce", (0, 5)) == 0  # one rank: no collective
 
 
 def test_settings_override_gloo_and_one_rank():
     from ds_canzona.plan.collectives import bucket_forms, choose_form
 
-    cuts = (0, 10, 20, 30, 30)  # 3 reduces of 10 us against one collective, the staging and 10 elements of padding
+    cuts = (0, 10, 20, 30, 30)
     assert choose_form(cuts, element_bytes=4, backend="gloo") == "grouped"  # gloo's default: measured
-    assert choose_form(cuts, element_bytes=4, backend="nccl") == "padded"
+    assert choose_form(cuts, element_bytes=4, backend="nccl") == "allreduce"
     assert choose_form(cuts, element_bytes=4, backend="nccl", setting="grouped") == "grouped"
     assert choose_form(cuts, element_bytes=4, backend="gloo", setting="padded") == "padded"
+    assert choose_form(cuts, element_bytes=4, backend="gloo", setting="allreduce") == "allreduce"
     assert choose_form((0, 7), element_bytes=4, backend="nccl", setting="padded") == "grouped"  # no collective
-    forms = bucket_forms([cuts, (0, 5, 10, 15, 20), (0, 8, 8, 8, 8)], reduce_scatter_bytes=4, all_gather_bytes=2,
-                         backend="nccl")
-    # The third bucket has one owner: one operation, grouped.
-    assert forms.reduce_scatter == forms.all_gather == ("padded", "padded", "grouped")
-    # 4 * 10 - 30 = 10 padding elements in the first bucket, none in the second (equal), none taken in the third.
-    assert (forms.reduce_scatter_summary.padding_bytes, forms.all_gather_summary.padding_bytes) == (40, 20)
+    all_cuts = [cuts, (0, 5, 10, 15, 20), (0, 8, 8, 8, 8)]
+    forms = bucket_forms(all_cuts, reduce_scatter_bytes=4, all_gather_bytes=2, backend="nccl")
+    # Per bucket (no groups given): uneven -> all-reduced, equal -> padded, one owner -> its one reduce / broadcast.
+    assert forms.reduce_scatter == forms.all_gather == ("allreduce", "padded", "grouped")
+    assert (forms.reduce_scatter_summary.padding_bytes, forms.all_gather_summary.padding_bytes) == (0, 0)
+    assert (forms.reduce_scatter_summary.second_pass_bytes, forms.all_gather_summary.second_pass_bytes) == (120, 60)
     assert forms.reduce_scatter_summary.bucket_bytes == 58 * 4
-    assert forms.all_gather_summary.padding_fraction == pytest.approx(20 / 116)
-    assert forms.reduce_scatter_summary.operations == forms.all_gather_summary.operations == 1 + 1 + 1
+    assert forms.all_gather_summary.extra_fraction == pytest.approx(60 / 116)
+    assert forms.reduce_scatter_summary.operations == forms.all_gather_summary.operations == 3
+    padded = bucket_forms(all_cuts, reduce_scatter_bytes=4, all_gather_bytes=2, backend="nccl", setting="padded")
+    # Forced: 4 * 10 - 30 = 10 padding elements in the first bucket, none in the second (equal), 4 * 8 - 8 = 24 in
+    # the third (one owner, padded all the same).
+    assert (padded.reduce_scatter_summary.padding_bytes, padded.all_gather_summary.padding_bytes) == (136, 68)
+    assert padded.all_gather_summary.padding_fraction == pytest.approx(68 / 116)
+
+
+def test_a_gather_group_is_one_operation():
+    from ds_canzona.plan.collectives import bucket_forms, choose_gather_form
+
+    group = [(0, 10, 20, 30, 30), (0, 5, 10, 15, 20), (0, 8, 8, 8, 8)]
+    # Several buckets with several owners: one all-reduce over the group's buffer (padded gathers: one per bucket).
+    assert choose_gather_form(group, element_bytes=2, backend="nccl") == "allreduce"
+    assert choose_gather_form(group, element_bytes=2, backend="gloo") == "grouped"
+    assert choose_gather_form(group, element_bytes=2, backend="nccl", setting="padded") == "padded"
+    # Every bucket of the group owned by one rank: its broadcasts, one per bucket, in one launch.
+    assert choose_gather_form([(0, 8, 8, 8, 8), (0, 4, 4, 4, 4)], element_bytes=2, backend="nccl") == "grouped"
+    # A group of one bucket is that bucket's choice.
+    assert choose_gather_form([(0, 5, 10, 15, 20)], element_bytes=2, backend="nccl") == "padded"
+    forms = bucket_forms(group, reduce_scatter_bytes=4, all_gather_bytes=2, backend="nccl",
+                         gather_groups=((0, 1, 2),))
+    assert forms.all_gather == ("allreduce",) * 3 and forms.all_gather_summary.operations == 1
+    assert forms.reduce_scatter_summary.operations == 3  # a reduce-scatter per bucket, one operation each
+    assert forms.gather_groups == ((0, 1, 2),)
+    with pytest.raises(ValueError, match="do not cover"):
+        bucket_forms(group, reduce_scatter_bytes=4, all_gather_bytes=2, backend="nccl", gather_groups=((0, 2),))
 
 
 @pytest.mark.parametrize("bad", [{"setting": "fast"}, {"cuts": (0, 5, 3)}, {"cuts": (0,)}])
@@ -221,7 +257,8 @@ def _gridded_model():
 # (name, stage, canzona.collectives, canzona.all_gather_groups): both gather-group extremes on each form.
 GLOO_ENGINES = (("grouped2", 2, "grouped", "per_bucket"), ("grouped2_one_gather", 2, "grouped", 1),
                 ("padded2", 2, "padded", 1), ("padded1", 1, "padded", "per_bucket"),
-                ("owners2", 2, "grouped", "default"), ("owners1", 1, "grouped", 1))
+                ("owners2", 2, "grouped", "default"), ("owners1", 1, "grouped", 1),
+                ("allreduce2", 2, "allreduce", "default"), ("allreduce1", 1, "allreduce", "per_bucket"))
 
 
 @pytest.fixture(scope="module")
@@ -301,8 +338,17 @@ def test_padded_and_grouped_forms_are_bitwise_equal_and_the_single_process_step(
             assert_params_equal(results[0]["params"], r["params"])
         replay = single_process_replay(BASE_CONFIG["optimizer"], merged_grads(results), clip=1.0)
         assert_params_equal(results[0]["params"], replay)
+    # The all-reduce forms: one call per bucket's reduce-scatter and one per gather group's all-gather.
+    for name, _, _, setting in GLOO_ENGINES[-2:]:
+        assert rank0[name]["forms"] == (("allreduce",) * buckets,) * 2
+        reductions = rank0[name]["calls"]["reduce_scatter"]
+        assert reductions % buckets == 0 and rank0[name]["operations"]["reduce_scatter"] == reductions
+        gathers = rank0[name]["calls"]["all_gather"]
+        assert gathers % len(all_gather_groups(buckets, setting)) == 0
+        assert rank0[name]["operations"]["all_gather"] == gathers
+    assert rank0["allreduce2"]["calls"]["all_gather"] < rank0["allreduce1"]["calls"]["all_gather"]
     assert_params_equal(rank0["grouped2"]["params"], rank0["padded2"]["params"])
-    for name in ("grouped2_one_gather", "padded1", "owners2", "owners1"):
+    for name in ("grouped2_one_gather", "padded1", "owners2", "owners1", "allreduce2", "allreduce1"):
         assert_params_equal(rank0["grouped2"]["params"], rank0[name]["params"])
 
 
@@ -357,23 +403,9 @@ def _record_bucket_collectives(log: list):
     LaunchGroup.__enter__, LaunchGroup.__exit__ = entered, left
 
 
-# (canzona.collectives, canzona.all_gather_groups) of the engines counted at DP=64; "mixed": the cost model's
-# choice with a wire rate that makes some buckets' all-gathers padded and others grouped.
+# (canzona.collectives, canzona.all_gather_groups) of the engines counted at DP=64.
 LAUNCH_CASES = (("default", "default"), ("grouped", "default"), ("grouped", "per_bucket"), ("padded", 1),
-                ("mixed", 1))
-
-
-def _rate_mixing_the_forms(cuts) -> float:
-    """A ``collective_bytes_per_s`` at which the cost model pads some of these buckets and groups others (fp32)."""
-    from ds_canzona.plan.collectives import CollectiveCosts, nonempty_segments, padding_numel
-
-    costs = CollectiveCosts()
-    latency = costs.latency_s(FAKE_WORLD)
-    # Padded wins below padding * 4 / rate < (k - 1) * latency - 2 * launch, i.e. above this rate.
-    thresholds = sorted({padding_numel(c) * 4 / ((nonempty_segments(c) - 1) * latency - 2 * costs.launch_s)
-                         for c in cuts if (nonempty_segments(c) - 1) * latency > 2 * costs.launch_s})
-    assert len(thresholds) > 1, thresholds
-    return math.sqrt(thresholds[0] * thresholds[1])
+                ("allreduce", "per_bucket"), ("default", 1))
 
 
 def _launches_at_64(rank: int, world_size: int) -> dict:
@@ -387,9 +419,6 @@ def _launches_at_64(rank: int, world_size: int) -> dict:
         _record_bucket_collectives(log)
         for collectives, groups in LAUNCH_CASES:
             canzona = {"collectives": collectives, "all_gather_groups": groups}
-            if collectives == "mixed":
-                canzona.update(collectives="default",
-                               collective_bytes_per_s=_rate_mixing_the_forms(out[LAUNCH_CASES[0]]["cuts"]))
             config = zero_workers.make_config(FAKE_WORLD, stage=2, gradient_accumulation_steps=1, canzona=canzona)
             engine = zero_workers.init_engine(config)
             zero = engine.optimizer
@@ -411,13 +440,15 @@ def _launches_at_64(rank: int, world_size: int) -> dict:
 def _expected_launches(cuts, forms, groups) -> tuple[list, list, dict]:
     """(reduce-scatter launches, all-gather launches in order, operations), from the cuts, forms and gather groups.
 
-    Per bucket one padded reduce-scatter or one grouped launch of a reduce per non-empty segment; per
-    gather group one launch of a broadcast per non-empty segment of its grouped buckets and one of
-    an all_gather_into_tensor per padded bucket (each only where the group has such buckets).
+    Per bucket one padded reduce-scatter, one all-reduce, or one grouped launch of a reduce per
+    non-empty segment; per gather group one launch of a broadcast per non-empty segment of its
+    grouped buckets, one of an all_gather_into_tensor per padded bucket, and one all-reduce of the
+    group's buffer where its buckets are all-reduced (each only where the group has such buckets).
     """
     from ds_canzona.plan.collectives import nonempty_segments
 
-    reduce_scatters = [("launch", ("reduce",) * nonempty_segments(c)) if form == "grouped" else "reduce_scatter_tensor"
+    single = {"padded": "reduce_scatter_tensor", "allreduce": "all_reduce"}
+    reduce_scatters = [("launch", ("reduce",) * nonempty_segments(c)) if form == "grouped" else single[form]
                        for c, form in zip(cuts, forms[0])]
     gathers = []
     for group in groups:
@@ -427,13 +458,17 @@ def _expected_launches(cuts, forms, groups) -> tuple[list, list, dict]:
             gathers.append(("launch", ("broadcast",) * broadcasts))
         if padded:
             gathers.append(("launch", ("all_gather_into_tensor",) * padded))
-    operations = {"reduce_scatter": sum(1 if form == "padded" else nonempty_segments(c)
+        if any(forms[1][b] == "allreduce" for b in group):
+            gathers.append("all_reduce")
+    operations = {"reduce_scatter": sum(1 if form != "grouped" else nonempty_segments(c)
                                         for c, form in zip(cuts, forms[0])),
-                  "all_gather": sum(1 if form == "padded" else nonempty_segments(c) for c, form in zip(cuts, forms[1]))}
+                  "all_gather": sum(1 if form == "padded" else nonempty_segments(c)
+                                    for c, form in zip(cuts, forms[1]) if form != "allreduce")
+                  + sum(1 for g in groups if any(forms[1][b] == "allreduce" for b in g))}
     return reduce_scatters, gathers, operations
 
 
-def test_launches_at_dp64_are_a_reduce_scatter_per_bucket_a_gather_per_group_and_the_norm():
+def test_launches_at_dp64_are_one_operation_per_bucket_and_per_gather_group_and_the_norm():
     from ds_canzona.plan.collectives import bucket_forms
     from ds_canzona.plan.gather_groups import all_gather_groups
 
@@ -443,14 +478,15 @@ def test_launches_at_dp64_are_a_reduce_scatter_per_bucket_a_gather_per_group_and
     assert buckets > 2
     segments = sum(sum(b > a for a, b in zip(c, c[1:])) for c in cuts)
     assert segments < FAKE_WORLD * buckets  # empty segments exist, so fewer operations than an uneven list's P
-    # The default is the cost model's choice on a backend that is not gloo (fp32 gradients and parameters here).
-    chosen = bucket_forms(cuts, reduce_scatter_bytes=4, all_gather_bytes=4, backend="fake")
+    assert segments > 2 * buckets  # and grouped is more than one operation per bucket
+    # The default is one operation each, priced by the cost model, on a backend that is not gloo (fp32 here).
+    chosen = bucket_forms(cuts, reduce_scatter_bytes=4, all_gather_bytes=4, backend="fake",
+                          gather_groups=all_gather_groups(buckets))
     assert runs[("default", "default")]["forms"] == (chosen.reduce_scatter, chosen.all_gather)
-    assert "padded" in chosen.reduce_scatter  # the padded path runs too
-    mixed = runs[("mixed", 1)]
-    assert {"padded", "grouped"} == set(mixed["forms"][1])  # one group holding both forms: two launches
+    assert "allreduce" in chosen.reduce_scatter and set(chosen.all_gather) == {"allreduce"}
     assert runs[("grouped", "default")]["forms"] == (("grouped",) * buckets,) * 2
     assert runs[("padded", 1)]["forms"] == (("padded",) * buckets,) * 2
+    assert runs[("allreduce", "per_bucket")]["forms"] == (("allreduce",) * buckets,) * 2
     for case, run in runs.items():
         collectives, setting = case
         groups = all_gather_groups(buckets, setting)
@@ -464,11 +500,12 @@ def test_launches_at_dp64_are_a_reduce_scatter_per_bucket_a_gather_per_group_and
         assert run["operations"] == operations, case
         assert run["counted_calls"] == {"reduce_scatter": buckets, "all_gather": len(gathers)}, case
         assert f"= {len(calls)}" in run["summary"], run["summary"]  # the plan summary's count of launches per step
-    # One form per group: launches per step = buckets + groups + 1.
+    # One form per group: launches per step = buckets + groups + 1; by default each of them one operation.
     assert len(runs[("grouped", "default")]["calls"]) == buckets + 2 + 1
     assert len(runs[("grouped", "per_bucket")]["calls"]) == 2 * buckets + 1
     assert len(runs[("padded", 1)]["calls"]) == buckets + 1 + 1
-    assert len(mixed["calls"]) == buckets + 2 + 1
+    assert runs[("default", "default")]["operations"] == {"reduce_scatter": buckets, "all_gather": 2}
+    assert runs[("default", 1)]["operations"] == {"reduce_scatter": buckets, "all_gather": 1}
     assert runs[("grouped", "default")]["operations"] == {"reduce_scatter": segments, "all_gather": segments}
 
 
@@ -476,7 +513,7 @@ def test_bucket_collectives_refuse_an_unknown_form_and_a_short_output():
     from ds_canzona.zero.comm import CommCounter, all_gather_buckets, reduce_scatter_bucket
 
     flat, cuts = torch.zeros(6), (0, 1, 6)
-    with pytest.raises(ValueError, match="'grouped' or 'padded'"):
+    with pytest.raises(ValueError, match="one of .'grouped', 'padded', 'allreduce'., got 'default'"):
         all_gather_buckets([flat], [cuts], 0, ["default"], group=None, counter=CommCounter())
     with pytest.raises(ValueError, match="writes 5 elements"):  # before any collective is issued
         reduce_scatter_bucket(torch.zeros(1), flat, cuts, "padded", group=None, counter=CommCounter(), async_op=False)
@@ -490,10 +527,17 @@ def test_plan_report_counts_the_operations_of_the_chosen_forms():
     forms = bucket_forms([(0, 8, 8, 8, 8), (0, 4, 4, 9, 12)], reduce_scatter_bytes=4, all_gather_bytes=2,
                          backend="nccl", setting="grouped")
     assert forms.reduce_scatter_summary.operations == forms.all_gather_summary.operations == 4
-    assert "2 grouped, 4 operations" in format_collective_forms(forms)
+    assert "0 all-reduced, 2 grouped, 4 operations" in format_collective_forms(forms)
     padded = bucket_forms([(0, 8, 8, 8, 8), (0, 4, 4, 9, 12)], reduce_scatter_bytes=4, all_gather_bytes=2,
                           backend="nccl", setting="padded")
-    assert "2 buckets padded, 0 grouped, 2 operations" in format_collective_forms(padded)
+    assert "2 buckets padded, 0 all-reduced, 0 grouped, 2 operations" in format_collective_forms(padded)
+    # The default: the one owner keeps its reduce, the three owners' bucket is one all-reduce; one gather group of
+    # both is one all-reduce.
+    default = bucket_forms([(0, 8, 8, 8, 8), (0, 4, 4, 9, 12)], reduce_scatter_bytes=4, all_gather_bytes=2,
+                           backend="nccl", gather_groups=((0, 1),))
+    report = format_collective_forms(default)
+    assert "reduce-scatter: 0 buckets padded, 1 all-reduced, 1 grouped, 2 operations" in report
+    assert "all-gather: 0 buckets padded, 2 all-reduced, 0 grouped, 1 operations" in report
 
 
 def test_plan_command_reports_the_forms_and_their_padding(capsys):
@@ -520,3 +564,47 @@ def test_plan_command_reports_the_forms_and_their_padding(capsys):
     assert "all-gather groups (default): 2 groups" in table and f"= {len(cuts) + 3}" in table
     assert main(["plan", "--model", "qwen3-0.6b", "--dp", "8", "--all-gather-groups", "per_bucket"]) == 0
     assert f"{len(cuts)} all-gather + 1 norm all-reduce = {2 * len(cuts) + 1}" in capsys.readouterr().out
+
+
+def test_all_reduced_gather_of_a_group_is_each_owners_values_bit_for_bit(monkeypatch):
+    """The allreduce all-gather in one process: each of 3 ranks' buffers as it enters the all-reduce (a recorded
+    stand-in for it), summed in fp32 in every order a backend could add them, is the owners' values exactly:
+    -0.0, +0.0, inf, NaN and subnormals included, in a group of three buckets with empty and uneven segments."""
+    import itertools
+
+    import deepspeed.comm as dist
+    from ds_canzona.zero import comm
+
+    world = 3
+    bucket_cuts = [(0, 4, 4, 9), (0, 0, 6, 6), (0, 2, 5, 7)]  # rank 1 owns nothing in bucket 0's middle, etc.
+    sizes = [c[-1] for c in bucket_cuts]
+    specials = torch.tensor([-0.0, 0.0, float("inf"), -float("inf"), float("nan"), 1e-45, -1e-45, 3.5, -2.0])
+    truth = torch.cat([specials, torch.randn(sum(sizes) - len(specials))])
+    entered = []
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, group=None, **_: entered.append(tensor.clone()))
+    for rank in range(world):
+        buffer = torch.randn(sum(sizes))  # stale values everywhere but this rank's own segments
+        flats = list(torch.split(buffer, sizes))
+        start = 0
+        for flat, cuts, size in zip(flats, bucket_cuts, sizes):
+            flat[cuts[rank]:cuts[rank + 1]] = truth[start + cuts[rank]:start + cuts[rank + 1]]
+            start += size
+        counter = comm.CommCounter()
+        comm.all_gather_buckets(flats, bucket_cuts, rank, ["allreduce"] * 3, group=None, counter=counter,
+                                buffer=buffer)
+        assert counter.calls["all_gather"] == 1 and counter.operations["all_gather"] == 1
+    for order in itertools.permutations(range(world)):
+        total = entered[order[0]]
+        for r in order[1:]:
+            total = total + entered[r]
+        assert torch.equal(total.view(torch.int32)[~truth.isnan()], truth.view(torch.int32)[~truth.isnan()]), order
+        assert torch.equal(total.isnan(), truth.isnan())
+    # Without the buffer each all-reduced bucket is an all-reduce of its own; buckets not views of it are refused.
+    entered.clear()
+    buffer = torch.zeros(sum(sizes))
+    comm.all_gather_buckets(list(torch.split(buffer, sizes)), bucket_cuts, 0, ["allreduce"] * 3, group=None,
+                            counter=comm.CommCounter())
+    assert [t.numel() for t in entered] == sizes
+    with pytest.raises(ValueError, match="consecutive views"):
+        comm.all_gather_buckets([torch.zeros(s) for s in sizes], bucket_cuts, 0, ["allreduce"] * 3, group=None,
+                                counter=comm.CommCounter(), buffer=buffer)

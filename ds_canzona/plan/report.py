@@ -30,9 +30,10 @@ def format_collective_forms(forms: BucketForms) -> str:
     """How many buckets take each form, per collective, the padding bytes per step that costs, and the model's prices."""
     lines = [f"collectives ({forms.setting}, backend {forms.backend}), per step:"]
     for name, summary in (("reduce-scatter", forms.reduce_scatter_summary), ("all-gather", forms.all_gather_summary)):
-        lines.append(f"  {name}: {summary.padded} buckets padded, {summary.grouped} grouped, {summary.operations:,} "
-                     f"operations; padding "
-                     f"{summary.padding_bytes:,} bytes ({summary.padding_fraction:.2%} of the bucket bytes); model: "
+        lines.append(f"  {name}: {summary.padded} buckets padded, {summary.all_reduced} all-reduced, {summary.grouped} "
+                     f"grouped, {summary.operations:,} operations; padding {summary.padding_bytes:,} bytes "
+                     f"({summary.padding_fraction:.2%} of the bucket bytes), second passes "
+                     f"{summary.second_pass_bytes:,} bytes; model: "
                      f"all grouped {summary.grouped_s * 1e3:.3g} ms, all padded {summary.padded_s * 1e3:.3g} ms")
     return "\n".join(lines)
 

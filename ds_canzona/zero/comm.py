@@ -1,29 +1,29 @@
 """Bucket collectives over deepspeed.comm, in the form chosen per bucket, with what they move counted.
 
 A bucket is cut into one contiguous segment per rank (``cuts``); segments may differ in size
-and may be empty. Each bucket's reduce-scatter and all-gather take one of two forms, chosen once
-at init by ``ds_canzona.plan.collectives`` (the same on every rank):
+and may be empty. Each bucket's reduce-scatter and each gather group's all-gather take one of
+three forms, chosen once at init by ``ds_canzona.plan.collectives`` (the same on every rank):
 
 - grouped: one rank-rooted operation per non-empty segment, all in one grouped launch
   (``LaunchGroup``: one ncclGroupStart/End on NCCL). The reduce-scatter is a ``reduce`` of each
   non-empty segment to its owner, in place in the send buffer; the owner's sum is copied into
   ``out`` when the work is waited on. The all-gather is a ``broadcast`` of each non-empty segment
   from its owner straight into place. An uneven list would be P operations on NCCL (torch runs
-  it as one ncclReduce / ncclBroadcast per rank, the empty segments included), and with
-  whole-tensor ownership most segments are empty at large P. gloo cannot group; it keeps its
-  uneven list reduce-scatter (one call, measured best there) and the broadcasts, which move
-  exactly the bucket and measured 3-5x faster than gloo's all-gather of the same bytes
-  (docs/BENCHMARKS.md). Both forms move no padding.
+  it as one ncclReduce / ncclBroadcast per rank, the empty segments included). gloo cannot
+  group; it keeps its uneven list reduce-scatter (one call, measured best there) and the
+  broadcasts, which move exactly the bucket and measured 3-5x faster than gloo's all-gather of
+  the same bytes (docs/BENCHMARKS.md). No padding.
 - padded: every segment padded to the bucket's largest (m elements), one equal-size
   ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` on any backend. Where the segments
   differ the bucket is staged through a buffer of P x m (a fill and one multi-tensor copy); where
   they are all equal the bucket itself is the buffer. The reduce-scatter writes m elements, so
   its output holds at least m (the runtime allocates its segment buffers that long); the
   elements past this rank's own segment are padding and never read.
-
-The all-gathers of several buckets (a gather group, ``ds_canzona.plan.gather_groups``) go out
-together (``all_gather_buckets``): one launch for the grouped buckets' broadcasts and one for the
-padded buckets' gathers, never mixed in one launch.
+- allreduce: one ``all_reduce``, in place. The reduce-scatter sums the whole bucket and copies
+  this rank's segment of the sum into ``out`` when waited on. The all-gather runs over a gather
+  group's contiguous buffer (its buckets are views of it): each rank writes -0.0 over every
+  element it does not own, and the sum is then each owner's values exactly (x + -0.0 == x for
+  every x, signed zeros and NaN included), one operation for the whole group.
 
 ``CommCounter`` counts, per kind of call, the bytes handed to it (padding included), the calls
 launched (a gather group's launch counts once), the operations inside them (a grouped launch: its
@@ -42,7 +42,7 @@ import torch
 
 import deepspeed.comm as dist
 
-from ds_canzona.plan.collectives import GROUPED, PADDED
+from ds_canzona.plan.collectives import ALL_REDUCE, COLLECTIVE_FORMS, GROUPED, PADDED
 from ds_canzona.zero.stage3_comm import LaunchGroup
 
 __all__ = ["CommCounter", "PlanMismatchError", "all_gather_buckets", "all_reduce_sum",
@@ -80,8 +80,8 @@ def segment_views(flat: torch.Tensor, cuts: tuple[int, ...]) -> list[torch.Tenso
 
 
 def _check_form(form: str) -> None:
-    if form not in (GROUPED, PADDED):
-        raise ValueError(f"a bucket collective is {GROUPED!r} or {PADDED!r}, got {form!r}")
+    if form not in COLLECTIVE_FORMS:
+        raise ValueError(f"a bucket collective is one of {COLLECTIVE_FORMS}, got {form!r}")
 
 
 def _largest_segment(cuts: tuple[int, ...]) -> int:
@@ -119,6 +119,15 @@ def reduce_scatter_bucket(out: torch.Tensor, flat: torch.Tensor, cuts: tuple[int
     _check_form(form)
     world = len(cuts) - 1
     element = flat.element_size()
+    if form == ALL_REDUCE:
+        counter.add("reduce_scatter", flat.numel() * element)
+        rank = dist.get_rank(group=group)
+        work = dist.all_reduce(flat, group=group, async_op=True)
+        arrival = _OwnSegmentArrival([work], out, flat[cuts[rank]:cuts[rank + 1]])
+        if not async_op:
+            arrival.wait()
+            return None, flat
+        return arrival, flat
     if form == GROUPED:
         if backend_name(group) == "gloo" and not _REDUCE_TO_OWNERS_ON_GLOO:
             counter.add("reduce_scatter", flat.numel() * element, operations=world)
@@ -141,14 +150,16 @@ def reduce_scatter_bucket(out: torch.Tensor, flat: torch.Tensor, cuts: tuple[int
 
 
 def all_gather_buckets(flats: Sequence[torch.Tensor], bucket_cuts: Sequence[tuple[int, ...]], rank: int,
-                       forms: Sequence[str], *, group, counter: CommCounter) -> None:
+                       forms: Sequence[str], *, group, counter: CommCounter, buffer: torch.Tensor | None = None) -> None:
     """All-gather several buckets in place, in as few launches as their forms allow (a gather group).
 
-    Where the backend groups collectives (not gloo), the grouped buckets' broadcasts go out as one
-    launch and the padded buckets' ``all_gather_into_tensor`` calls as another (torch coalesces
-    ops of one type; the two kinds are never mixed in one launch: ``ds_canzona.plan.gather_groups``).
-    gloo issues each call on its own, as it would bucket by bucket. Returns once every gather is
-    done (on the current stream where streams are real).
+    ``buffer``: the contiguous tensor the buckets are consecutive views of, in order; with it, a
+    group whose buckets all take the allreduce form is one ``all_reduce`` over it. Without it each
+    all-reduced bucket is an ``all_reduce`` of its own. Where the backend groups collectives (not
+    gloo), the grouped buckets' broadcasts go out as one launch and the padded buckets'
+    ``all_gather_into_tensor`` calls as another (torch coalesces ops of one type; the kinds are
+    never mixed in one launch: ``ds_canzona.plan.gather_groups``). gloo issues each call on its
+    own. Returns once every gather is done (on the current stream where streams are real).
     """
     if not len(flats) == len(bucket_cuts) == len(forms):
         raise ValueError(f"{len(flats)} buckets, {len(bucket_cuts)} cuts and {len(forms)} forms")
@@ -158,10 +169,41 @@ def all_gather_buckets(flats: Sequence[torch.Tensor], bucket_cuts: Sequence[tupl
         return  # one rank: nothing to gather
     grouped = [(flat, cuts) for flat, cuts, form in zip(flats, bucket_cuts, forms) if form == GROUPED]
     padded = [(flat, cuts) for flat, cuts, form in zip(flats, bucket_cuts, forms) if form == PADDED]
+    all_reduced = [(flat, cuts) for flat, cuts, form in zip(flats, bucket_cuts, forms) if form == ALL_REDUCE]
     if grouped:
         _broadcast_segments(grouped, group=group, counter=counter)
     if padded:
         _all_gather_padded(padded, rank, group=group, counter=counter)
+    if all_reduced:
+        if buffer is not None and len(all_reduced) == len(flats):
+            _all_reduce_gather(buffer, all_reduced, rank, group=group, counter=counter)
+        else:
+            for flat, cuts in all_reduced:
+                _all_reduce_gather(flat, [(flat, cuts)], rank, group=group, counter=counter)
+
+
+def _all_reduce_gather(buffer: torch.Tensor, buckets: list[tuple[torch.Tensor, tuple[int, ...]]], rank: int, *,
+                       group, counter: CommCounter) -> None:
+    """One in-place ``all_reduce`` over ``buffer`` (the buckets' consecutive views): -0.0 wherever this rank
+    owns nothing, so the sum is each owner's values, bit for bit."""
+    base, position, others = buffer.storage_offset(), 0, []
+    for flat, cuts in buckets:
+        start = flat.storage_offset() - base
+        if start != position or flat.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr():
+            raise ValueError("an all-reduced gather group's buckets must be consecutive views of its buffer")
+        if cuts[rank] > 0:
+            others.append(buffer[position:start + cuts[rank]])
+        position = start + cuts[rank + 1]
+        if cuts[rank + 1] < flat.numel():
+            others.append(buffer[position:start + flat.numel()])
+        position = start + flat.numel()
+    if position != buffer.numel():
+        raise ValueError(f"the buckets cover {position} of the buffer's {buffer.numel()} elements")
+    if others:  # -0.0, not 0.0: 0.0 + -0.0 is +0.0, which would flip an owner's negative zero
+        torch._foreach_zero_(others)
+        torch._foreach_neg_(others)
+    counter.add("all_gather", buffer.numel() * buffer.element_size())
+    dist.all_reduce(buffer, group=group)
 
 
 def _all_gather_padded(buckets: list[tuple[torch.Tensor, tuple[int, ...]]], rank: int, *, group,

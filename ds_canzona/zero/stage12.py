@@ -29,9 +29,9 @@ Data flow per optimizer step:
                gather group by gather group (consecutive buckets, ``canzona.all_gather_groups``),
                each group's all-gathers issued as one launch once its buckets are updated
 
-Each bucket's reduce-scatter and all-gather is grouped (a reduce / broadcast per non-empty segment) or padded (one
-equal-size collective over segments padded to the largest), chosen at init per bucket by
-``ds_canzona.plan.collectives`` from ``canzona.collectives`` (``ds_canzona.zero.comm``).
+Each bucket's reduce-scatter and each gather group's all-gather is one operation by default (a padded equal-size
+collective or an all-reduce; a single owner's reduce / broadcast), or grouped (a reduce / broadcast per non-empty
+segment), chosen at init by ``ds_canzona.plan.collectives`` from ``canzona.collectives`` (``ds_canzona.zero.comm``).
 
 Where streams are real (CUDA) the reduce-scatters, with their conversion and pre-division, run on
 a reduction stream of this runtime that waits for every stream that wrote the bucket and for the
@@ -102,9 +102,9 @@ class CanzonaZeroOptimizer(OwnerRuntime):
 
         self.plan = self._make_plan(bucket_numel)
         self.layout = self._buffer_layout()
-        self.collective_forms = self._choose_collective_forms()
         # Consecutive buckets whose all-gathers go out as one launch (a function of the plan: the same on every rank).
         self.gather_groups = all_gather_groups(len(self.plan.buckets), self.config.all_gather_groups)
+        self.collective_forms = self._choose_collective_forms()
         self._check_plan_agreement()
         self._print_plan_summary()
         self._create_loss_scaler(static_loss_scale=static_loss_scale, dynamic_loss_scale=dynamic_loss_scale,
@@ -178,11 +178,12 @@ class CanzonaZeroOptimizer(OwnerRuntime):
         return model
 
     def _choose_collective_forms(self) -> BucketForms:
-        """Each bucket's collectives, grouped or padded: a function of the cuts and the config, so every rank agrees."""
+        """Each bucket's reduce-scatter form and each gather group's all-gather form: a function of the cuts, the
+        groups and the config, so every rank agrees."""
         return bucket_forms(self.layout.bucket_cuts, backend=backend_name(self.dp_process_group),
                             reduce_scatter_bytes=self.reduction.communicate_dtype.itemsize,
                             all_gather_bytes=self.dtype.itemsize, setting=self.config.collectives,
-                            costs=self.config.collective_costs)
+                            costs=self.config.collective_costs, gather_groups=self.gather_groups)
 
     def _check_plan_agreement(self) -> None:
         """Compare the plan's digest across ranks before any other collective."""
@@ -253,8 +254,18 @@ class CanzonaZeroOptimizer(OwnerRuntime):
         # Whether tensor i's view holds a gradient of this step (else its first one is copied in).
         self._holds_grad = [False] * len(self.params)
         self._bucket_gaps = self._bucket_gap_ranges()
+        # One contiguous parameter buffer per gather group, its buckets consecutive views of it: an all-reduced
+        # gather is then one operation for the whole group (ds_canzona.zero.comm).
+        self.gather_buffers: list[torch.Tensor] = []
+        bucket_flats: list[torch.Tensor] = [None] * len(plan.buckets)  # type: ignore[list-item]
+        for group in self.gather_groups:
+            sizes = [self.layout.bucket_numel[b] for b in group]
+            buffer = torch.empty(sum(sizes), dtype=self.dtype, device=self.device)
+            self.gather_buffers.append(buffer)
+            for b, view in zip(group, torch.split(buffer, sizes)):
+                bucket_flats[b] = view
         for bucket in plan.buckets:
-            flat = torch.empty(self.layout.bucket_numel[bucket.index], dtype=self.dtype, device=self.device)
+            flat = bucket_flats[bucket.index]
             for i in self.bucket_tensors[bucket.index]:
                 p, start = self.params[i], self.tensor_offset[i]
                 view = flat[start:start + p.numel()].view_as(p)
@@ -588,4 +599,5 @@ class CanzonaZeroOptimizer(OwnerRuntime):
         with self.streams.on_side(*keys):
             all_gather_buckets([self.param_flat[b] for b in group], [self.layout.bucket_cuts[b] for b in group],
                                self.rank, [self.collective_forms.all_gather[b] for b in group],
-                               group=self.dp_process_group, counter=self.comm)
+                               group=self.dp_process_group, counter=self.comm,
+                               buffer=self.gather_buffers[self.gather_groups.index(group)])

@@ -36,6 +36,8 @@ from deepspeed.comm.torch import get_coalescing_manager
 
 PER_PIECE, GROUPED, PADDED = "per_piece", "grouped", "padded"
 ZERO3_MODES = (PER_PIECE, GROUPED, PADDED)
+# The ``canzona.collectives`` values stage 3 takes ("allreduce" is a stage 1/2 form only).
+ZERO3_SETTINGS = ("default", GROUPED, PADDED)
 
 
 def backend_name(group) -> str:
@@ -142,5 +144,5 @@ def padded_reduce_scatter(out: torch.Tensor, flat: torch.Tensor, *, group):
     return dist.reduce_scatter_tensor(out, flat, group=group, async_op=True)
 
 
-__all__ = ["GROUPED", "PADDED", "PER_PIECE", "ZERO3_MODES", "LaunchGroup", "PaddedSegments", "backend_name",
+__all__ = ["GROUPED", "PADDED", "PER_PIECE", "ZERO3_MODES", "ZERO3_SETTINGS", "LaunchGroup", "PaddedSegments", "backend_name",
            "padded_all_gather", "padded_reduce_scatter", "zero3_collectives"]
