@@ -83,6 +83,8 @@ def _expected_canzona(engine, dp: int = WORLD) -> dict:
         nonempty = sum(1 for size in sizes(b) if size)
         if zero.collective_forms.reduce_scatter[b] == "grouped":
             add("reduce", nonempty, nonempty, sum(sizes(b)) * 2)  # bf16 gradients
+        elif zero.collective_forms.reduce_scatter[b] == "allreduce":
+            add("all_reduce", 1, 1, sum(sizes(b)) * 2)
         else:
             add("reduce_scatter_tensor", 1, 1, dp * max(sizes(b)) * 2)
     # The all-gathers: per gather group one launch per form its buckets take.
@@ -94,6 +96,8 @@ def _expected_canzona(engine, dp: int = WORLD) -> dict:
             add("broadcast", nonempty, nonempty, sum(sum(sizes(b)) for b in grouped) * 2)  # bf16 parameters
         if padded:
             add("all_gather_into_tensor", len(padded), len(padded), sum(dp * max(sizes(b)) for b in padded) * 2)
+        if all(zero.collective_forms.all_gather[b] == "allreduce" for b in group):
+            add("all_reduce", 1, 1, sum(sum(sizes(b)) for b in group) * 2)  # one over the group's buffer
     return {kind: tuple(row) for kind, row in expected.items()}
 
 
@@ -175,7 +179,8 @@ def count_both(rank: int, world_size: int) -> dict:
                                        "summary": summary,
                                        "buckets": len(engine.optimizer.plan.buckets) if system == "canzona" else None,
                                        "gather_launches": _gather_launches(engine) if system == "canzona" else None,
-                                       "norm_sized": [c.payload for c in steps[0][0] if c.kind == "all_reduce"]}
+                                       "norm_sized": [c.payload for c in steps[0][0] if c.kind == "all_reduce"],
+                                       "items": len(engine.optimizer.plan.pieces) if system == "canzona" else None}
         out["zero3"] = _zero3_with_and_without_rearranging(log)
         # Both systems' ZeRO-3 under one config, for the launches of the fetches: with the prefetch
         # above, and without prefetching (then every module is fetched again in backward too).
@@ -207,13 +212,17 @@ def test_counts_match_the_plans_and_fake_tensors_match_real_ones(counted):
     canzona = out[("canzona", False)]
     kinds = canzona["summary"]["by_kind"]
     expected = canzona["expected"]
+    # Besides the buckets' all-reduces (if any), one more: the per-item squared norms, a float64 each.
+    bucket_all_reduces = expected.get("all_reduce", (0, 0, 0, 0))
+    norm_bytes = kinds["all_reduce"]["payload"] - bucket_all_reduces[3]
+    assert norm_bytes in canzona["norm_sized"] and norm_bytes == 8 * canzona["items"]
+    expected["all_reduce"] = tuple(a + b for a, b in zip(bucket_all_reduces, (1, 1, 1, norm_bytes)))
     for kind, (calls, launches, ops, payload) in expected.items():
         got = kinds[kind]
         assert (got["calls"], got["launches"], got["p2p_ops"], got["payload"]) == (calls, launches, ops, payload), kind
-    assert kinds["all_reduce"]["calls"] == 1  # the per-item squared norms
-    assert set(kinds) == set(expected) | {"all_reduce"}
+    assert set(kinds) == set(expected)
     assert canzona["summary"]["launches"] == canzona["buckets"] + canzona["gather_launches"] + 1
-    if set(expected) == {"reduce", "broadcast"}:
+    if not {"reduce_scatter_tensor", "all_gather_into_tensor"} & set(expected):
         assert canzona["summary"]["padding"] == 0  # uneven segments, no padded form: no padding
 
     deepspeed = out[("deepspeed", False)]

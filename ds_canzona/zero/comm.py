@@ -187,9 +187,11 @@ def _all_reduce_gather(buffer: torch.Tensor, buckets: list[tuple[torch.Tensor, t
     """One in-place ``all_reduce`` over ``buffer`` (the buckets' consecutive views): -0.0 wherever this rank
     owns nothing, so the sum is each owner's values, bit for bit."""
     base, position, others = buffer.storage_offset(), 0, []
+    root = buffer._base if buffer._base is not None else buffer
     for flat, cuts in buckets:
         start = flat.storage_offset() - base
-        if start != position or flat.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr():
+        # Views of one tensor (identity of the base, not storage pointers: fake tensors have none).
+        if start != position or (flat._base if flat._base is not None else flat) is not root:
             raise ValueError("an all-reduced gather group's buckets must be consecutive views of its buffer")
         if cuts[rank] > 0:
             others.append(buffer[position:start + cuts[rank]])
