@@ -1,23 +1,23 @@
-"""Grouped and padded bucket collectives: the choice, its config key, and both forms at work.
+"""Bucket collectives (grouped, padded, allreduce): the choice, its config key, and every form at work.
 
-- The choice (``ds_canzona.plan.collectives``) in one process: the cost model in both directions,
-  the override, the constants, invalid settings; the config key's errors; the plan command's report.
+- The choice (``ds_canzona.plan.collectives``) in one process: by default one operation per
+  bucket and per gather group (a lone owner's reduce / broadcast, else padded or allreduce as the
+  cost model prices them), the overrides, the constants, invalid settings; the config key's
+  errors; the plan command's report.
+- The all-reduced gather in one process against a recording stand-in: each rank's buffer as it
+  enters the all-reduce, summed in every order, is the owners' values bit for bit (-0.0, inf,
+  NaN, subnormals).
 - Equal results, on 3 gloo ranks (one spawn): the tiny model's buckets at DP=3 have uneven
-  segments and empty ones. Stage 2 grouped and padded, stage 1 padded, and stages 2 and 1 with the
-  grouped reduce-scatter of other backends (a reduce per non-empty segment, switched on for gloo), train 3 steps on
-  gradients rounded to multiples of 2**-20 (so the sum over ranks is exact in fp32 whatever
-  order a collective adds in: gloo's list reduce-scatter and its reduce_scatter_tensor add in
-  different orders at DP>=3, and so would NCCL's ncclReduce and ncclReduceScatter). Stage 2
-  grouped runs twice, with one gather group and with one per bucket. The parameters of all six
-  are bitwise equal, and equal the single-process optimizer fed the runtime's averaged gradients.
+  segments and empty ones. Stage 2 grouped, padded and allreduce, stage 1 padded and allreduce,
+  and stages 2 and 1 with the grouped reduce-scatter of other backends (a reduce per non-empty
+  segment, switched on for gloo), train 3 steps on gradients rounded to multiples of 2**-20 (so
+  the sum over ranks is exact in fp32 whatever order a collective adds in). The parameters of
+  all eight are bitwise equal, and equal the single-process optimizer fed the runtime's
+  averaged gradients.
 - Launches at DP=64, in one process on torch's fake process group: per bucket one
-  reduce_scatter_tensor (padded) or one grouped launch of a reduce per non-empty segment
-  (grouped; fewer than 64: most ranks own nothing in a bucket), the norm's all-reduce, then per
-  gather group (``canzona.all_gather_groups``) one launch per form its buckets take: the grouped
-  buckets' broadcasts together, the padded buckets' all_gather_into_tensor calls together. Five
-  engines: the default forms (the cost model's choice, padded here) and groups, grouped with the
-  default two groups and with one per bucket, padded in one group, and one group holding both
-  forms (a wire rate chosen so the cost model pads some buckets and not others).
+  reduce_scatter_tensor (padded), one all_reduce (allreduce) or one grouped launch of a reduce
+  per non-empty segment (grouped), the norm's all-reduce, then per gather group one launch of
+  its form. The default gives one operation per bucket and per group.
 - Gather groups in one process: the grouping at both extremes and between, the default's rule,
   launches per group and form, bad settings; the plan command's report of them.
 """

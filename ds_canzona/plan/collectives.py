@@ -263,7 +263,7 @@ def bucket_forms(bucket_cuts: Sequence[Sequence[int]], *, reduce_scatter_bytes: 
 
     ``gather_groups``: consecutive buckets whose all-gathers go out together (by default one per bucket).
     """
-    groups = tuple(tuple(g) for g in ((b,) for b in range(len(bucket_cuts)))) if gather_groups is None \
+    groups = tuple((b,) for b in range(len(bucket_cuts))) if gather_groups is None \
         else tuple(tuple(g) for g in gather_groups)
     if sorted(b for g in groups for b in g) != list(range(len(bucket_cuts))):
         raise ValueError(f"the gather groups {groups} do not cover the {len(bucket_cuts)} buckets once each")

@@ -33,7 +33,9 @@ The groups are a function of B and the setting only (plan-derived), so every ran
 Buckets are spread as evenly as possible; where B is not a multiple of G the earlier groups get
 one bucket more (the last group, whose gather nothing hides, is never the larger).
 
-Launches per group: a group whose buckets all take one form (``ds_canzona.plan.collectives``)
+Launches per group: by default a group's all-gather is one operation (``ds_canzona.plan.collectives``:
+one all-reduce over the group's parameter buffer, or a lone owner's broadcasts), so the step is
+``B + G + 1`` operations, not only launches. Under a forced form, a group whose buckets all take one form
 is one launch: the grouped form's broadcasts in one coalesced launch, or the padded form's
 ``all_gather_into_tensor`` calls in one (torch's coalescing manager issues ops of one type as one
 ``allgather_into_tensor_coalesced``). A group holding both forms issues one launch per form: torch
