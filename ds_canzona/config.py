@@ -103,12 +103,14 @@ class CanzonaConfig(DeepSpeedConfigModel):
     (padded), one in-place all-reduce (allreduce: a gather group's all-gather is then one operation), or one
     operation each, padded or all-reduced as the cost model prices lower (default, so a step's operations do not
     grow with the world size; grouped on gloo). ds_canzona.plan.collectives.
-    ZeRO-3: "grouped" issues each fetch's broadcasts, each gradient bucket's reduces and the post-step refresh of
-    persistent parameters as one grouped launch (one NCCL group; gloo cannot group and runs them one by one);
-    "padded" issues each as one equal-size all_gather_into_tensor / reduce_scatter_tensor, every owner's segment
-    padded to the largest; both keep parameters below stage3_param_persistence_threshold resident and reduce
-    gradients in buckets of reduce_bucket_size. "default" at ZeRO-3: grouped on backends that are not gloo; on
-    gloo one broadcast per piece and one reduce per item, nothing persistent (what measured best there)."""
+    ZeRO-3: each fetch, each gradient bucket and the post-step refresh of persistent parameters is one launch:
+    "grouped" issues its broadcasts / reduces in one NCCL group (one operation per piece; gloo cannot group and
+    runs them one by one); "padded" one equal-size all_gather_into_tensor / reduce_scatter_tensor, every owner's
+    segment padded to the largest; "allreduce" one all_reduce of the launch's pieces back to back; "default" one
+    operation each, a single piece's broadcast / reduce, else padded or all-reduced as the cost model prices
+    lower. All keep parameters below stage3_param_persistence_threshold resident and reduce gradients in buckets
+    of reduce_bucket_size. "default" on gloo: one broadcast per piece and one reduce per item, nothing
+    persistent (what measured best there). ds_canzona.zero.stage3_comm."""
 
     collective_launch_s: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     """collectives "default" only: one collective operation's latency per hop (s); an operation over P ranks costs

@@ -20,6 +20,10 @@
   its form. The default gives one operation per bucket and per group.
 - Gather groups in one process: the grouping at both extremes and between, the default's rule,
   launches per group and form, bad settings; the plan command's report of them.
+- ZeRO-3 launches in one process: the priced form of a fetch or gradient bucket of owner-placed
+  pieces (one piece alone, else padded or allreduce by the same cost model), and what "default"
+  means per backend. The forms at work are tests/test_zero3.py (exact on gloo) and
+  tests/test_zero3_collectives.py (one operation per launch at DP=8).
 """
 
 from __future__ import annotations
@@ -608,3 +612,49 @@ def test_all_reduced_gather_of_a_group_is_each_owners_values_bit_for_bit(monkeyp
     with pytest.raises(ValueError, match="consecutive views"):
         comm.all_gather_buckets([torch.zeros(s) for s in sizes], bucket_cuts, 0, ["allreduce"] * 3, group=None,
                                 counter=comm.CommCounter(), buffer=buffer)
+
+
+# --------------------------------------------------------------------------- ZeRO-3 launches, one process
+def test_zero3_launch_is_one_operation_priced_on_the_owners_segments():
+    """A fetch or gradient bucket of (length, owner) pieces: one piece goes alone, several take padded or allreduce."""
+    from ds_canzona.plan.collectives import ALL_REDUCE, GROUPED, PADDED, CollectiveCosts, choose_piece_form, \
+        owner_cuts, padding_numel
+    from ds_canzona.zero.stage3_comm import PRICED, launch_form
+
+    assert owner_cuts([(5, 2), (3, 0), (4, 2)], 4) == (0, 3, 3, 12, 12)
+    costs = CollectiveCosts()
+    # One piece (even at 1024 ranks), or one rank: its own broadcast / reduce, nothing staged.
+    assert choose_piece_form([(10**6, 7)], world_size=1024, element_bytes=2) == GROUPED
+    assert choose_piece_form([(5, 0), (6, 0)], world_size=1, element_bytes=2) == GROUPED
+    # Equal segments on every rank: padded costs no padding, so it beats the all-reduce's second pass.
+    even = [(1000, r) for r in range(8)]
+    assert padding_numel(owner_cuts(even, 8)) == 0
+    assert choose_piece_form(even, world_size=8, element_bytes=2) == PADDED
+    # Three owners among 64 ranks: padding 61 segments costs more than passing the data twice.
+    few = [(4096, 3), (4096, 17), (1024, 40)]
+    assert choose_piece_form(few, world_size=64, element_bytes=2) == ALL_REDUCE
+    # A lone owner of several pieces: one operation still means one staged buffer, priced the same way.
+    assert choose_piece_form([(100, 5), (100, 5)], world_size=16, element_bytes=2) == ALL_REDUCE
+    # The choice follows the prices: where bytes are slow and segments nearly even, padded wins.
+    nearly_even = [(10**6, r) for r in range(7)] + [(10**6 - 10, 7)]
+    assert choose_piece_form(nearly_even, world_size=8, element_bytes=2) == PADDED
+    slow_launches = CollectiveCosts(launch_s=1.0)  # the padded form's two staging launches then dominate
+    assert choose_piece_form(nearly_even, world_size=8, element_bytes=2, costs=slow_launches) == ALL_REDUCE
+    # The modes: priced asks the cost model, the others are what they say.
+    for mode in ("per_piece", "grouped", "padded", "allreduce"):
+        assert launch_form(mode, few, world_size=64, element_bytes=2, costs=costs) == mode
+    assert launch_form(PRICED, few, world_size=64, element_bytes=2, costs=costs) == ALL_REDUCE
+    with pytest.raises(ValueError, match="unknown ZeRO-3 collectives mode"):
+        launch_form("scatter", few, world_size=64, element_bytes=2, costs=costs)
+
+
+def test_zero3_default_is_priced_off_gloo_and_per_piece_on_gloo(monkeypatch):
+    import ds_canzona.zero.stage3_comm as stage3_comm
+
+    for backend, expected in (("gloo", "per_piece"), ("nccl", "priced"), ("fake", "priced")):
+        monkeypatch.setattr(stage3_comm, "backend_name", lambda group, name=backend: name)
+        assert stage3_comm.zero3_collectives("default", None) == expected
+        for setting in ("grouped", "padded", "allreduce"):
+            assert stage3_comm.zero3_collectives(setting, None) == setting
+    with pytest.raises(ValueError, match="canzona.collectives must be one of"):
+        stage3_comm.zero3_collectives("per_piece", None)

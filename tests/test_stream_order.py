@@ -25,8 +25,9 @@ all-gather), one the grouped. The parameters' all-gathers go out per gather grou
 two; every bucket in one group in two cases), on the reduction stream after the compute stream's
 writes into every bucket of the group; with one compute stream writing all of them, a wait for
 fewer than all the group's buckets would not show here as a race. Stage 3
-runs the collectives a backend other than gloo gets (the fake one included): grouped by default,
-padded in one case, with the small tensors persistent (refreshed on the compute stream after each
+runs the collectives a backend other than gloo gets (the fake one included): priced by default
+(one operation per launch: a lone piece's broadcast or reduce, else an all-reduce here), grouped
+in one case and padded in one, with the small tensors persistent (refreshed on the compute stream after each
 step) and gradient buckets that launch inside backward. The process is rank 0 of the world: at
 DP=4 it owns some items and not others, so it is both a sender and an owner.
 
@@ -50,9 +51,10 @@ from distributed import run_ranks
 RANK, WORLD = 0, 4
 STEPS, GA = 2, 2
 NUMERICS = {"communication_data_type": "bf16", "gradient_predivide_factor": 2.0}
-# Stage 3 on the fake backend (not gloo) takes the grouped collectives by default, or the padded
-# ones (ds_canzona.zero.stage3_comm): the norms and biases (24 elements) persistent, the matrices
-# fetched per module, gradients in buckets small enough that several launch inside backward.
+# Stage 3 on the fake backend (not gloo) takes the priced collectives by default (one operation per
+# launch), or the grouped or padded ones where named (ds_canzona.zero.stage3_comm): the norms and
+# biases (24 elements) persistent, the matrices fetched per module, gradients in buckets small
+# enough that several launch inside backward.
 STAGE3_PERSISTENCE_THRESHOLD = 100
 STAGE3_BUCKET = 600
 
@@ -75,6 +77,7 @@ CASES = {
     "stage3": {"stage": 3},
     "stage3_compile_streams": {"stage": 3, "compile_streams": True},
     "stage3_compile_streams_bf16_communication": {"stage": 3, "compile_streams": True, "config": NUMERICS},
+    "stage3_grouped_compile_streams": {"stage": 3, "compile_streams": True, "collectives": "grouped"},
     "stage3_padded_compile_streams_bf16_communication": {"stage": 3, "compile_streams": True, "config": NUMERICS,
                                                          "collectives": "padded"},
     "control_stage2_compile_streams": {"stage": 2, "compile_streams": True, "unordered": True},
@@ -127,14 +130,30 @@ def _hooks_on_side_stream(model, zero) -> list[int]:
     return runs
 
 
-def _stage3_buckets(zero) -> int:
-    """Gradient buckets per backward at stage 3: tensors last first, a bucket closed once it holds the bucket size."""
-    buckets, held = 0, 0
-    for shape in reversed(zero.logical_shapes):
-        held += math.prod(shape)
+def _stage3_buckets(zero) -> list[list[int]]:
+    """Stage 3's gradient buckets per backward, as the items each reduces: tensors last first, a bucket closed
+    once it holds the bucket size."""
+    buckets, items, held = [], [], 0
+    for tensor in reversed(range(len(zero.logical_shapes))):
+        items += zero.plan.tensor_items()[tensor]
+        held += math.prod(zero.logical_shapes[tensor])
         if held >= zero.reduce_bucket_numel:
-            buckets, held = buckets + 1, 0
-    return buckets + (held > 0)
+            buckets, items, held = buckets + [items], [], 0
+    return buckets + ([items] if items else [])
+
+
+# What one stage-3 launch of each form issues: one collective, or (grouped) one per piece.
+STAGE3_REDUCE = {"padded": "reduce_scatter_tensor", "allreduce": "all_reduce"}
+STAGE3_FETCH = {"grouped": "broadcast", "padded": "all_gather_into_tensor", "allreduce": "all_reduce"}
+
+
+def _stage3_refresh_form(zero) -> str:
+    """The form of the persistent parameters' refresh after the step (one fetch of all of them)."""
+    from ds_canzona.zero.owner_placement import PIECES_ATTR
+
+    pieces = [(stop - start, owner) for p in zero.parameter_offload.persistent_parameters
+              for start, stop, owner in getattr(p, PIECES_ATTR, ())]
+    return zero.layout.launch_form(pieces, zero.params[0].ds_tensor.element_size())
 
 
 def _expected(zero, case: dict) -> dict:
@@ -144,10 +163,13 @@ def _expected(zero, case: dict) -> dict:
     not gloo, the fake one included) or one ``reduce_scatter_tensor`` (padded).
     """
     if case["stage"] == 3:
-        if zero.collectives == "padded":
-            return {"reduce_scatter_tensor": _stage3_buckets(zero) * STEPS * GA}
-        assert zero.collectives == "grouped"
-        return {"reduce": len(zero.plan.specs) * STEPS * GA}
+        expected = {}
+        for items in _stage3_buckets(zero):
+            form = zero.layout.launch_form([(zero.plan.specs[i].numel, zero.plan.owner[i]) for i in items],
+                                           zero.reduction.communicate_dtype.itemsize)
+            kind, count = (STAGE3_REDUCE[form], 1) if form in STAGE3_REDUCE else ("reduce", len(items))
+            expected[kind] = expected.get(kind, 0) + count * STEPS * GA
+        return expected
     forms, cuts = zero.collective_forms.reduce_scatter, zero.layout.bucket_cuts
     padded = sum(form == "padded" for form in forms)
     reduces = sum(sum(b > a for a, b in zip(c, c[1:])) for c, form in zip(cuts, forms) if form == "grouped")
@@ -194,6 +216,8 @@ def _run_case(case: dict) -> dict:
                 "side_hook_runs": side_runs[0],
                 "stream_calls": dict(model.events),
             }
+            if case["stage"] == 3:
+                result["mode"], result["refresh_form"] = zero.collectives, _stage3_refresh_form(zero)
             if case["stage"] in (1, 2) and not case.get("tp"):
                 result["expected_gathers"] = _expected_gathers(zero)
                 result["gather_launches"] = zero.comm.calls["all_gather"]
@@ -312,7 +336,8 @@ def test_runtime_orders_every_collective_and_buffer(runs, name):
             assert run["collectives"].get(f"{kind} on default (compute)") == count, run["collectives"]
             continue
         assert run["collectives"].get(f"{kind} on {run['reduction_stream']}") == count, run["collectives"]
-        assert sum(n for key, n in run["collectives"].items() if key.startswith(f"{kind} on ")) == count
+        if kind != "all_reduce":  # (the norm's, and at stage 3 an all-reduced refresh, run on the compute stream)
+            assert sum(n for key, n in run["collectives"].items() if key.startswith(f"{kind} on ")) == count
     if name.startswith(("stage1", "stage2")):  # the form each case is meant to check
         padded = CASES[name].get("canzona", {}).get("collectives") == "padded"
         assert set(run["expected"]) == {"reduce_scatter_tensor" if padded else "reduce"}
@@ -326,11 +351,15 @@ def test_runtime_orders_every_collective_and_buffer(runs, name):
     if CASES[name].get("compile_streams"):
         assert run["side_hook_runs"] > 0
     if CASES[name]["stage"] == 3:
-        fetch = "all_gather_into_tensor" if CASES[name].get("collectives") == "padded" else "broadcast"
+        assert run["mode"] == CASES[name].get("collectives", "priced")
+        # Priced: a module fetch of one matrix is its broadcast, as grouped's.
+        fetch = "all_gather_into_tensor" if run["mode"] == "padded" else "broadcast"
         fetch_streams = {key for key in run["collectives"] if key.startswith(f"{fetch} on stream")}
         assert fetch_streams, run["collectives"]  # DeepSpeed's all-gather stream fetched the shards
-        # The persistent parameters' refresh after each step, on the compute stream.
-        assert run["collectives"].get(f"{fetch} on default (compute)", 0) >= STEPS, run["collectives"]
+        # The persistent parameters' refresh after each step, on the compute stream (priced: all-reduced here).
+        refresh = STAGE3_FETCH[run["refresh_form"]]
+        assert run["mode"] != "priced" or refresh == "all_reduce"
+        assert run["collectives"].get(f"{refresh} on default (compute)", 0) >= STEPS, run["collectives"]
 
 
 @pytest.mark.parametrize("name", [name for name, case in CASES.items() if case.get("unordered")])

@@ -64,6 +64,8 @@ CASES = {
         "soap_bf16_ga3": ("soap", 3, "bf16", "tiny", False, False),
         "muon_bf16_ga3_pieces": ("muon", 3, "bf16", "tiny", False, False),
         "muon_bf16_ga3_padded_pieces": ("muon", 3, "bf16", "tiny", False, False),
+        "muon_bf16_ga3_allreduce_pieces": ("muon", 3, "bf16", "tiny", False, False),
+        "muon_bf16_ga3_priced_pieces": ("muon", 3, "bf16", "tiny", False, False),
         "shampoo_fp32_ga1_grouped": ("shampoo", 1, "fp32", "tiny", False, False),
         "adamuon_bf16_ga3": ("adamuon", 3, "bf16", "tiny", False, False),
         "muon_bf16_ga3_leaf_blocks": ("muon", 3, "bf16", "tiny", False, False),
@@ -84,11 +86,17 @@ CASES = {
 FEW_LAUNCHES = {
     "muon_bf16_ga3_padded_pieces": ({"collectives": "padded"},
                                     {"stage3_param_persistence_threshold": 100, "reduce_bucket_size": 1000}),
+    "muon_bf16_ga3_allreduce_pieces": ({"collectives": "allreduce"},
+                                       {"stage3_param_persistence_threshold": 100, "reduce_bucket_size": 1000}),
+    "muon_bf16_ga3_priced_pieces": ({"collectives": "default"},
+                                    {"stage3_param_persistence_threshold": 100, "reduce_bucket_size": 1000}),
     "shampoo_fp32_ga1_grouped": ({"collectives": "grouped"}, {}),
     "muon_bf16_ga3_leaf_blocks": ({"collectives": "grouped"},
                                   {"stage3_param_persistence_threshold": 100, "reduce_bucket_size": 1000,
                                    "leaf_module": {"classes": ["Block"]}}),
 }
+# The mode of "default" on a backend other than gloo (one operation per launch, priced), forced on gloo.
+FORCED_MODE = {"muon_bf16_ga3_priced_pieces": "priced"}
 # canzona.split_numel of the "_pieces" cases: the tiny model's embedding and AdamW head (61 x 24 =
 # 1464 elements each) become 15 pieces of at most 100, its norms (24 elements) stay whole.
 PIECES_SPLIT_NUMEL = 100
@@ -125,7 +133,8 @@ def spawned():
         if world_size not in cache:
             cases = CASES[world_size]
             runs = [{"config": _config(world_size, case, pieces=name.endswith("_pieces"), name=name), "model": case[3],
-                     "zero_init": case[4], "log": case[5], "steps": STEPS} for name, case in cases.items()]
+                     "zero_init": case[4], "log": case[5], "steps": STEPS, "zero3_mode": FORCED_MODE.get(name)}
+                    for name, case in cases.items()]
             names = list(cases)
             if world_size == 2:
                 for name, (zero, _) in REFUSED.items():
@@ -261,13 +270,23 @@ def test_few_launch_cases_ran_their_collectives_and_kept_small_tensors_resident(
     results = spawned(3)
     for name in FEW_LAUNCHES:
         for r in results[name]:
-            assert r["collectives"] == FEW_LAUNCHES[name][0]["collectives"]
+            assert r["collectives"] == FORCED_MODE.get(name, FEW_LAUNCHES[name][0]["collectives"])
             numel = {n: p.numel() for n, p in r["params"].items()}
             threshold = FEW_LAUNCHES[name][1].get("stage3_param_persistence_threshold", 100_000)
             assert r["persistent"] == sorted(n for n, k in numel.items() if k <= threshold), name
             assert r["persistent"], name
             leaves = FEW_LAUNCHES[name][1].get("leaf_module", {}).get("classes")
             assert bool(r["leaf_modules"]) == bool(leaves), name  # the blocks, where the case names them
+    # Per form, the launches its cases ran (ds_canzona.zero.CommCounter's kinds: fetches, gradient
+    # buckets, the norm's all-reduce); priced mixes them, one operation each.
+    ran = {name: results[name][0]["comm_kinds"] for name in FEW_LAUNCHES}
+    assert ran["muon_bf16_ga3_padded_pieces"] == ["all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor"]
+    assert ran["muon_bf16_ga3_allreduce_pieces"] == ["all_reduce", "all_reduce_fetch", "all_reduce_gradients"]
+    assert ran["shampoo_fp32_ga1_grouped"] == ["all_reduce", "broadcast", "reduce"]
+    # Priced at DP=3: a launch of one piece is its broadcast / reduce, the others all-reduced (at
+    # three ranks the padding of these launches costs more than the all-reduce's second pass).
+    assert ran["muon_bf16_ga3_priced_pieces"] == ["all_reduce", "all_reduce_fetch", "all_reduce_gradients",
+                                                  "broadcast", "reduce"]
     # gloo's default is one collective per piece and item, nothing of the owners' persistent.
     for r in results["muon_fp32_ga3"]:
         assert r["collectives"] == "per_piece" and r["persistent"] == []

@@ -8,19 +8,22 @@ launch; a coalescing block (torch's ``_coalescing_manager``, one NCCL group) is 
 whatever it holds, and the operations inside it are counted as operations. The fake backend
 delivers nothing, so the wrapper zeroes what a rank receives (the run stays finite).
 
-Three runs, counted in the third step (the coordinator's trace recorded and checked in the first two):
+Four runs, counted in the third step (the coordinator's trace recorded and checked in the first two):
 
 - per piece (gloo's default, forced here): one broadcast per piece per fetch, one reduce per item;
-- grouped (the default on backends other than gloo, the fake one included): one launch per
+- grouped: one launch per
   module fetch, one per gradient bucket, one refresh of the persistent parameters after the step;
   DeepSpeed's default ``stage3_param_persistence_threshold`` (1e5) makes the norms persistent, and
   they are checked never to be fetched in forward or backward;
 - padded: the same launches as one all-gather / reduce-scatter each, the padding counted.
+- priced (the default on backends other than gloo, the fake one included): the same launches,
+  each one operation: a single piece's broadcast or reduce, else what the cost model prices lower
+  of an all-reduce and a padded collective.
 
 The counts are printed (docs/NOTES.md has them) and checked against the plan: launches per
 step in the grouped and padded runs are the module fetches plus the buckets plus two in the
 step (the norm all-reduce and the refresh), and at most half of the per-piece run's.
-One spawned process, about 45 s here (three engines, three steps each).
+One spawned process, about 11 s here (four engines, three steps each).
 """
 
 from __future__ import annotations
@@ -165,7 +168,7 @@ def _count_run(collectives: str) -> dict:
 
     import ds_canzona  # noqa: F401  (registers the engine hook)
     import ds_canzona.zero.stage3 as stage3
-    from ds_canzona.zero.stage3_comm import PER_PIECE, zero3_collectives
+    from ds_canzona.zero.stage3_comm import PER_PIECE, PRICED, zero3_collectives
 
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(Qwen3Config(**QWEN3))
@@ -178,7 +181,8 @@ def _count_run(collectives: str) -> dict:
                                     # whose layers exceed the prefetch bucket (5e7 elements) does.
                                     "stage3_prefetch_bucket_size": 0},
               "optimizer": {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 0.003}},
-              "canzona": {"log_plan": False, "collectives": "default" if collectives == PER_PIECE else collectives}}
+              "canzona": {"log_plan": False,
+                          "collectives": "default" if collectives in (PER_PIECE, PRICED) else collectives}}
     # gloo's per-piece default, forced on the fake backend for the "before" count.
     chosen = (lambda choice, group: PER_PIECE) if collectives == PER_PIECE else zero3_collectives
     stage3.zero3_collectives, original = chosen, stage3.zero3_collectives
@@ -232,7 +236,7 @@ def launch_counts(rank: int, world_size: int) -> dict:
     from fake_world import fake_world
 
     with fake_world(RANK, WORLD):
-        return {mode: _count_run(mode) for mode in ("per_piece", "grouped", "padded")}
+        return {mode: _count_run(mode) for mode in ("per_piece", "grouped", "padded", "priced")}
 
 
 def _table(counts: dict) -> str:
@@ -245,10 +249,10 @@ def _table(counts: dict) -> str:
     return "\n".join(lines)
 
 
-def test_launches_per_step_per_piece_grouped_and_padded_at_dp8():
+def test_launches_per_step_per_piece_grouped_padded_and_priced_at_dp8():
     (counts,) = run_ranks(launch_counts, 1, timeout=900)
     print("\n" + _table(counts))
-    before, grouped, padded = counts["per_piece"], counts["grouped"], counts["padded"]
+    before, grouped, padded, priced = counts["per_piece"], counts["grouped"], counts["padded"], counts["priced"]
     for mode, run in counts.items():
         assert run["mode"] == mode and not run["overflow"], (mode, run["mode"])
     # Before: a broadcast per piece per fetch (forward and backward fetch every tensor once at least),
@@ -279,3 +283,11 @@ def test_launches_per_step_per_piece_grouped_and_padded_at_dp8():
     # padded ones pay for the padding (a module fetch of one matrix is padded to every rank).
     assert grouped["bytes"][f"forward_backward {M}"] < before["bytes"][f"forward_backward {M}"]
     assert padded["bytes"][f"forward_backward {M}"] > grouped["bytes"][f"forward_backward {M}"]
+    # Priced (the default off gloo): the grouped launches, each ONE operation (a single piece's broadcast or
+    # reduce, else an all-reduce or a padded collective), so the count does not grow with the pieces.
+    for phase in (f"forward_backward {M}", f"step {M}"):
+        operations = sum(n for key, n in priced["ops"].items() if key.startswith(f"{phase}: "))
+        assert operations == priced["launches"][phase] == grouped["launches"][phase], (phase, priced["ops"])
+    assert priced["persistent"] == grouped["persistent"] and not priced["fetched_persistent"]
+    grouped_operations = sum(n for key, n in grouped["ops"].items() if key.startswith(f"forward_backward {M}: "))
+    assert grouped_operations > priced["launches"][f"forward_backward {M}"]

@@ -54,12 +54,21 @@ def train_runs(rank: int, world_size: int, runs: list[dict]) -> list[dict]:
 def _train_run(rank: int, world_size: int, run: dict) -> dict:
     from ds_canzona.config import CanzonaConfigError
 
+    import ds_canzona.zero.stage3 as stage3
+
     config = run["config"]
     log = CollectiveLog() if run.get("log") else None
+    # "zero3_mode": the ZeRO-3 collectives mode forced on this backend (gloo's "default" is per piece;
+    # "priced", the default elsewhere, is reached this way).
+    choose = stage3.zero3_collectives
+    if run.get("zero3_mode"):
+        stage3.zero3_collectives = lambda choice, group: run["zero3_mode"]
     try:
         engine = init_engine(config, model=build_model(run.get("model", "tiny"), config, run.get("zero_init", False)))
     except CanzonaConfigError as error:
         return {"init_error": str(error)}
+    finally:
+        stage3.zero3_collectives = choose
     zero = engine.optimizer
     ga = engine.gradient_accumulation_steps()
     grads, norms = [], []
@@ -98,6 +107,7 @@ def _train_run(rank: int, world_size: int, run: dict) -> dict:
         "n_params": len(zero.params),
         "local_shard_numel": {name: int(p.ds_tensor.numel()) for name, p in zip(zero.names, zero.params)},
         "collectives": zero.collectives,
+        "comm_kinds": sorted(k for k, n in zero.comm.calls.items() if n),
         "persistent": sorted(name for name, p in zip(zero.names, zero.params) if p.ds_persist),
         "leaf_modules": sorted(name for name, m in engine.module.named_modules() if getattr(m, "_z3_leaf", False)),
     }

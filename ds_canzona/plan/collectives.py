@@ -74,8 +74,10 @@ __all__ = [
     "choose_form",
     "choose_forms",
     "choose_gather_form",
+    "choose_piece_form",
     "form_operations",
     "nonempty_segments",
+    "owner_cuts",
     "padding_numel",
     "summarize_forms",
 ]
@@ -189,6 +191,38 @@ def choose_gather_form(group_cuts: Sequence[Sequence[int]], *, element_bytes: in
     owners = {r for cuts in group_cuts for r in range(len(cuts) - 1) if cuts[r + 1] > cuts[r]}
     if backend == "gloo" or len(owners) <= 1:
         return GROUPED
+    return ALL_REDUCE
+
+
+def owner_cuts(pieces: Sequence[tuple[int, int]], world_size: int) -> tuple[int, ...]:
+    """The cuts of a launch of owner-placed pieces ``((length, owner), ...)``, laid out owner segment by segment.
+
+    ZeRO-3 moves pieces between their owners and every rank; put in one buffer, each owner's pieces
+    back to back, they are a bucket whose rank r segment is everything rank r owns in the launch.
+    """
+    used = [0] * world_size
+    for length, owner in pieces:
+        used[owner] += length
+    cuts = [0]
+    for size in used:
+        cuts.append(cuts[-1] + size)
+    return tuple(cuts)
+
+
+def choose_piece_form(pieces: Sequence[tuple[int, int]], *, world_size: int, element_bytes: int,
+                      costs: CollectiveCosts = CollectiveCosts()) -> str:
+    """The one-operation form of one ZeRO-3 launch (a fetch, a gradient bucket) of ``(length, owner)`` pieces.
+
+    One piece: its own broadcast or reduce (grouped), in place. Several: padded where its padding
+    costs less than the all-reduce's second pass (as :func:`choose_form` prices a bucket), else
+    allreduce. A single owner of several pieces is priced the same way: its pieces sit in separate
+    tensors, so one operation means one staged buffer either way.
+    """
+    if world_size <= 1 or len(pieces) <= 1:
+        return GROUPED
+    cuts = owner_cuts(pieces, world_size)
+    if costs.padded_s(cuts, element_bytes) < costs.all_reduce_s(cuts, element_bytes):
+        return PADDED
     return ALL_REDUCE
 
 

@@ -393,11 +393,6 @@ def zero3_offload_kwargs(engine) -> dict[str, Any]:
 
 def _build_stage3(engine, basic, numerics: dict[str, Any]):
     from ds_canzona.zero.stage3 import CanzonaZero3Optimizer
-    from ds_canzona.zero.stage3_comm import ZERO3_SETTINGS
-
-    if engine._canzona_config.collectives not in ZERO3_SETTINGS:  # before anything of stage 3 is allocated
-        raise CanzonaConfigError(f"canzona.collectives={engine._canzona_config.collectives!r} is a ZeRO stage 1/2 "
-                                 f"form; at stage 3 use one of {ZERO3_SETTINGS}")
 
     return CanzonaZero3Optimizer(
         basic,

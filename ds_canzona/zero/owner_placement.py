@@ -18,7 +18,8 @@ sets on every parameter, so the layout can be changed per parameter without touc
   tensor uses its shard as the buffer, no copy), and hands the rest to DeepSpeed's original
   closure of the same parameter. How the pieces travel is the layout's mode
   (``ds_canzona.zero.stage3_comm``): one broadcast per piece, the same broadcasts as one grouped
-  launch per fetch, or one padded all-gather per fetch;
+  launch per fetch, one padded all-gather or one all-reduce per fetch, or (by default off gloo)
+  whichever one operation the cost model prices lowest for that fetch;
 - ``partition(param_list=None, hierarchy=0, has_been_updated=False, free_data=True)`` (the
   coordinator's release, ``GatheredParameters`` on exit): an owner-placed parameter frees its
   full buffer on the other ranks; with ``has_been_updated`` (weights written inside
@@ -38,7 +39,7 @@ each rank keeps the pieces it owns as its new ``ds_tensor`` (the whole tensor on
 unsplit one, empty on the other ranks).
 In the per-piece mode owner-placed parameters are never persistent (``ds_persist`` false): a
 persistent copy on every rank needs a fetch after each step, which that mode keeps out of the step.
-The grouped and padded modes keep DeepSpeed's choice (``stage3_param_persistence_threshold``):
+Every other mode keeps DeepSpeed's choice (``stage3_param_persistence_threshold``):
 a persistent parameter's full buffer stays on every rank between steps, the coordinator skips it,
 and the runtime refreshes all of them after the step in one fetch.
 """
@@ -54,7 +55,9 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, free_param
 
 from ds_canzona.zero.comm import CommCounter
-from ds_canzona.zero.stage3_comm import GROUPED, PADDED, PER_PIECE, LaunchGroup, PaddedSegments, padded_all_gather
+from ds_canzona.plan.collectives import CollectiveCosts
+from ds_canzona.zero.stage3_comm import ALL_REDUCE, PADDED, PER_PIECE, ZERO3_MODES, LaunchGroup, PaddedSegments, \
+    all_reduce_launch, back_to_back, launch_form, padded_all_gather
 from ds_canzona.zero.streams import WriteMark, streams_are_real
 
 # On an owner-placed parameter: its pieces ((start, stop, owner rank in the data-parallel group), ...)
@@ -120,11 +123,13 @@ class _BothHandles:
 class OwnerLayout:
     """Fetch, release and sizes of owner-placed parameters over one data-parallel group."""
 
-    def __init__(self, *, group, counter: CommCounter, mode: str = PER_PIECE) -> None:
-        if mode not in (PER_PIECE, GROUPED, PADDED):
+    def __init__(self, *, group, counter: CommCounter, mode: str = PER_PIECE,
+                 costs: CollectiveCosts = CollectiveCosts()) -> None:
+        if mode not in ZERO3_MODES:
             raise ValueError(f"unknown ZeRO-3 fetch mode {mode!r}")
         self.group = group
         self.mode = mode
+        self.costs = costs
         self.rank = dist.get_rank(group=group)
         self.world_size = dist.get_world_size(group=group)
         self.counter = counter
@@ -136,6 +141,11 @@ class OwnerLayout:
     def shards_written(self) -> None:
         """The owners' shards were just written on the current stream: later fetches wait for that."""
         self._shard_writes.record()
+
+    def launch_form(self, pieces: Sequence[tuple[int, int]], element_bytes: int) -> str:
+        """The form of one launch of ``(length, owner)`` pieces (a fetch, a gradient bucket) in this layout's mode."""
+        return launch_form(self.mode, pieces, world_size=self.world_size, element_bytes=element_bytes,
+                           costs=self.costs)
 
     # ------------------------------------------------------------------ conversion
     @torch.no_grad()
@@ -248,10 +258,13 @@ class OwnerLayout:
         buffers = [self._full_buffer(param) for param in params]
         if self.world_size == 1:
             return OwnerFetchHandle(params, [])
-        if self.mode == PADDED:
-            return self._fetch_padded(params, buffers)
         sends = [(buffer[start:stop], owner) for param, buffer in zip(params, buffers)
                  for start, stop, owner in getattr(param, PIECES_ATTR)]
+        form = self.launch_form([(piece.numel(), owner) for piece, owner in sends], buffers[0].element_size())
+        if form == PADDED:
+            return self._fetch_padded(params, buffers)
+        if form == ALL_REDUCE:
+            return self._fetch_all_reduced(params, sends)
         if self.mode == PER_PIECE:
             works = [self._broadcast(piece, owner) for piece, owner in sends]
             return OwnerFetchHandle(params, works)
@@ -306,6 +319,28 @@ class OwnerLayout:
                 # Allocated on the fetch's stream, last read here: not reused before this read.
                 flat.record_stream(get_accelerator().current_stream())
                 mine.record_stream(get_accelerator().current_stream())
+
+        return OwnerFetchHandle(params, [work], copy_out)
+
+    def _fetch_all_reduced(self, params: list, sends: list[tuple[torch.Tensor, int]]) -> OwnerFetchHandle:
+        """One all-reduce of every piece back to back: the owner's values, -0.0 from every other rank."""
+        positions = back_to_back([piece.numel() for piece, _ in sends])
+        reference = sends[0][0]
+        # -0.0, not 0.0: 0.0 + -0.0 is +0.0, which would flip an owner's negative zero.
+        flat = torch.full((sum(piece.numel() for piece, _ in sends),), -0.0, dtype=reference.dtype,
+                          device=reference.device)
+        for (piece, owner), position in zip(sends, positions):
+            if owner == self.rank:
+                flat[position:position + piece.numel()].copy_(piece)
+        self.counter.add("all_reduce_fetch", flat.numel() * flat.element_size())
+        work = all_reduce_launch(flat, group=self.group)
+
+        def copy_out() -> None:
+            for (piece, owner), position in zip(sends, positions):
+                if owner != self.rank:
+                    piece.copy_(flat[position:position + piece.numel()])
+            if streams_are_real():
+                flat.record_stream(get_accelerator().current_stream())  # as in _fetch_padded
 
         return OwnerFetchHandle(params, [work], copy_out)
 

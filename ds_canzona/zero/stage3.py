@@ -9,9 +9,10 @@ owners. In backward each gradient is summed onto its owner only (a ``reduce`` pe
 the owner holds the whole averaged gradient and the optimizer step is local: the per-tensor rule
 of ``ds_canzona.optim`` runs on whole tensors and the next forward's fetch carries the result.
 How those collectives are launched is ``canzona.collectives`` (``ds_canzona.zero.stage3_comm``):
-one per piece and item (gloo's default), or grouped / padded into one launch per fetch and per
-gradient bucket of ``reduce_bucket_size`` elements, with DeepSpeed's persistent parameters kept
-resident and refreshed in one fetch after the step.
+one per piece and item (gloo's default), or one launch per fetch and per gradient bucket of
+``reduce_bucket_size`` elements (by default off gloo one operation each, padded or all-reduced as
+the cost model prices lower; or grouped), with DeepSpeed's persistent parameters kept resident
+and refreshed in one fetch after the step.
 
 Numeric contract: given the same averaged gradients, every owned tensor is updated by exactly
 the per-tensor rule the single-process ``ds_canzona.optim`` optimizer runs, on the same fp32
@@ -36,7 +37,7 @@ Data flow per optimizer step:
     step:      the owner's accumulated gradients -> fp32, divided; one all-reduce of per-tensor
                squared norms (overflow + clipping); each rank updates what it owns; the result
                is written into its shard. No other collective, except one fetch of the
-               persistent parameters (grouped / padded collectives).
+               persistent parameters (every mode but per piece).
 
 Where streams are real (CUDA) the reduces and the owner's accumulation run on a reduction stream
 of this runtime (after the stream each gradient came on; it waits for the collectives itself),
@@ -71,15 +72,15 @@ from ds_canzona.zero.comm import check_digest_agreement
 from ds_canzona.zero.owned import GradientAfterReductionError, OwnedTensor
 from ds_canzona.zero.owner_placement import LOCAL_PIECES_ATTR, OwnerLayout
 from ds_canzona.zero.owner_runtime import OwnerRuntime
-from ds_canzona.zero.stage3_comm import GROUPED, PER_PIECE, LaunchGroup, PaddedSegments, padded_reduce_scatter, \
-    zero3_collectives
+from ds_canzona.zero.stage3_comm import ALL_REDUCE, PADDED, PER_PIECE, LaunchGroup, PaddedSegments, \
+    all_reduce_launch, back_to_back, padded_reduce_scatter, zero3_collectives
 from ds_canzona.zero.streams import StreamOrder
 
 # Reduces launched and not yet waited on during backward; each holds one tensor's gradient. Where
 # streams are real (CUDA) the wait is queued on the reduction stream, not on the host or the
 # compute stream (``ds_canzona.zero.streams``).
 REDUCES_IN_FLIGHT = 4
-# The same for gradient buckets (grouped and padded collectives): each holds up to
+# The same for gradient buckets (every mode but per piece): each holds up to
 # reduce_bucket_size elements of gradients (and, padded, its flat buffers).
 BUCKETS_IN_FLIGHT = 2
 
@@ -127,14 +128,15 @@ class CanzonaZero3Optimizer(OwnerRuntime):
         # then fetches and releases around each module. The owner layout replaces the layout of
         # the trainable parameters underneath it.
         self.parameter_offload = DeepSpeedZeRoOffload(module, dp_process_group=dp_process_group, **offload_kwargs)
-        # Per piece, grouped or padded (ds_canzona.zero.stage3_comm); the last two keep DeepSpeed's
-        # persistent parameters resident and reduce gradients in buckets.
+        # Per piece, priced, grouped, padded or allreduce (ds_canzona.zero.stage3_comm); all but the
+        # first keep DeepSpeed's persistent parameters resident and reduce gradients in buckets.
         self.collectives = zero3_collectives(config.collectives, dp_process_group)
         self.reduce_bucket_numel = int(reduce_bucket_numel or 0)
         if self.collectives != PER_PIECE and self.reduce_bucket_numel <= 0:
             raise ValueError(f"ds_canzona: ZeRO-3 with {self.collectives} collectives needs a reduce bucket size > 0, "
                              f"got {reduce_bucket_numel!r}")
-        self.layout = OwnerLayout(group=dp_process_group, counter=self.comm, mode=self.collectives)
+        self.layout = OwnerLayout(group=dp_process_group, counter=self.comm, mode=self.collectives,
+                                  costs=config.collective_costs)
         self.layout.install(module.parameters())
         self._tensor_items = self.plan.tensor_items()
         layout_pieces: list[list[tuple[int, int, int]]] = [[] for _ in self.params]
@@ -277,19 +279,24 @@ class CanzonaZero3Optimizer(OwnerRuntime):
         return dist.reduce(piece, dst=owner, group=self.dp_process_group, async_op=True)
 
     def _launch_bucket(self) -> None:
-        """Reduce the bucket's items to their owners in one launch: grouped reduces, or one padded reduce-scatter."""
+        """Reduce the bucket's items to their owners in one launch: grouped reduces, one padded reduce-scatter,
+        or one all-reduce (the layout's mode, or the form it prices lowest for these pieces)."""
         if not self._bucket:
             return
         bucket, self._bucket, self._bucket_numel = self._bucket, [], 0
         pieces = [(item, self._item_piece(flat, item)) for i, flat in bucket for item in self._tensor_items[i]]
+        form = self.layout.launch_form([(piece.numel(), self.plan.owner[item]) for item, piece in pieces],
+                                       self.reduction.communicate_dtype.itemsize)
         with self.streams.on_side():
-            if self.collectives == GROUPED:
+            if form == PADDED:
+                reduction = self._reduce_scatter_padded(pieces)
+            elif form == ALL_REDUCE:
+                reduction = self._reduce_all_reduced(pieces)
+            else:
                 with LaunchGroup(group=self.dp_process_group, device=self.device) as launch:
                     for item, piece in pieces:
                         launch.add(self._reduce(piece, item))
                 reduction = _Reduction(launch.works, pieces, [piece for _, piece in pieces])
-            else:
-                reduction = self._reduce_scatter_padded(pieces)
         self._inflight.append(reduction)
         self._limit_in_flight(BUCKETS_IN_FLIGHT)
 
@@ -310,6 +317,21 @@ class CanzonaZero3Optimizer(OwnerRuntime):
         self.comm.add("reduce_scatter_tensor", flat.numel() * flat.element_size())
         work = padded_reduce_scatter(out, flat, group=self.dp_process_group)
         return _Reduction([work], received, [flat, out] + [piece for _, piece in pieces])
+
+    def _reduce_all_reduced(self, pieces: list[tuple[int, torch.Tensor]]) -> _Reduction:
+        """One in-place all-reduce of the bucket's items back to back; each owner reads its items' sums."""
+        positions = back_to_back([piece.numel() for _, piece in pieces])
+        flat = torch.empty(sum(piece.numel() for _, piece in pieces), dtype=self.reduction.communicate_dtype,
+                           device=self.device)
+        received = []
+        for (item, piece), position in zip(pieces, positions):
+            summed = flat[position:position + piece.numel()]
+            summed.copy_(piece)
+            if self.plan.owner[item] == self.rank:
+                received.append((item, summed))
+        self.comm.add("all_reduce_gradients", flat.numel() * flat.element_size())
+        work = all_reduce_launch(flat, group=self.dp_process_group)
+        return _Reduction([work], received, [flat] + [piece for _, piece in pieces])
 
     def _limit_in_flight(self, limit: int) -> None:
         while len(self._inflight) > limit:

@@ -1,28 +1,38 @@
-"""How ZeRO-3 with owner placement launches its collectives: per piece, grouped, or padded.
+"""How ZeRO-3 with owner placement launches its collectives: per piece, grouped, padded, all-reduced, or priced.
 
 Owner placement moves each piece of a tensor between its owner and the other ranks, so its
 natural collectives are point-rooted: a ``broadcast`` per piece to fetch it, a ``reduce`` per
 item to sum its gradient onto the owner. On gloo with a few ranks those are cheap; on NCCL at
-64-1024 ranks every launch costs tens of microseconds, and one forward of a 32-layer model would
-issue hundreds. So ``canzona.collectives`` chooses (``zero3_collectives``):
+64-1024 ranks every operation costs tens of microseconds, and one forward of a 32-layer model would
+issue thousands. So ``canzona.collectives`` chooses (``zero3_collectives``):
 
 - ``per_piece`` (what "default" means on gloo): one broadcast per piece per fetch, one reduce
   per item per backward, no parameter persistent. gloo cannot group collectives
   (no ``startCoalescing``), and this measured best there (docs/NOTES.md);
-- ``grouped`` ("default" on every other backend): the same broadcasts and reduces, but a
-  fetch's broadcasts, a gradient bucket's reduces and the post-step refresh of the persistent
-  parameters each go out as one grouped launch (``LaunchGroup``: torch's coalescing manager,
-  one ``ncclGroupStart/End`` on NCCL). The bytes are exactly the pieces', and no staging copy is
-  made: each broadcast lands in the parameter's full buffer, the owner of a whole tensor lends
-  its shard;
+- ``priced`` (what "default" means on every other backend): every launch is ONE operation, so a
+  step's operations do not grow with the world size or the number of pieces. A launch of one
+  piece is its broadcast or reduce; a launch of several takes padded or allreduce, whichever the
+  cost model of ``ds_canzona.plan.collectives`` prices lower (``choose_piece_form``: the padding
+  against the all-reduce's second pass). The choice is a pure function of the pieces' lengths and
+  owners, which every rank has, so every rank picks the same form;
+- ``grouped``: a fetch's broadcasts, a gradient bucket's reduces and the post-step refresh of the
+  persistent parameters each go out as one grouped launch (``LaunchGroup``: torch's coalescing
+  manager, one ``ncclGroupStart/End`` on NCCL), one NCCL operation per piece inside it. The bytes
+  are exactly the pieces', and no staging copy is made: each broadcast lands in the parameter's
+  full buffer, the owner of a whole tensor lends its shard;
 - ``padded``: one equal-size collective per fetch (``all_gather_into_tensor``) and per gradient
   bucket (``reduce_scatter_tensor``), each rank's segment padded to the largest
-  (``PaddedSegments``). One launch on every backend, gloo included, at the price of the padding
-  bytes, one copy of what each rank sends into the flat buffer, and that buffer for the life of
-  one fetch or bucket (freed at ``wait()``: no parameter keeps a view of it).
+  (``PaddedSegments``), at the price of the padding bytes, one copy of what each rank sends into
+  the flat buffer, and that buffer for the life of one fetch or bucket (freed at ``wait()``: no
+  parameter keeps a view of it);
+- ``allreduce``: one ``all_reduce`` per fetch and per gradient bucket over a buffer of the
+  launch's pieces back to back. A bucket's sum is read by each owner from its pieces; for a
+  fetch every rank writes -0.0 where it owns nothing (x + -0.0 is x, bit for bit, for every x,
+  +0.0 and NaN included), so the sum is each owner's values. One operation whatever the owners,
+  twice the pieces' bytes on the wire, and a staging buffer as padded has.
 
-``grouped`` and ``padded`` also honour DeepSpeed's ``stage3_param_persistence_threshold`` and
-bucket the gradient reduce by ``reduce_bucket_size`` (``ds_canzona.zero.stage3``).
+All but ``per_piece`` honour DeepSpeed's ``stage3_param_persistence_threshold`` and bucket the
+gradient reduce by ``reduce_bucket_size`` (``ds_canzona.zero.stage3``).
 """
 
 from __future__ import annotations
@@ -34,10 +44,12 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.comm.torch import get_coalescing_manager
 
-PER_PIECE, GROUPED, PADDED = "per_piece", "grouped", "padded"
-ZERO3_MODES = (PER_PIECE, GROUPED, PADDED)
-# The ``canzona.collectives`` values stage 3 takes ("allreduce" is a stage 1/2 form only).
-ZERO3_SETTINGS = ("default", GROUPED, PADDED)
+from ds_canzona.plan.collectives import CollectiveCosts, choose_piece_form
+
+PER_PIECE, GROUPED, PADDED, ALL_REDUCE, PRICED = "per_piece", "grouped", "padded", "allreduce", "priced"
+ZERO3_MODES = (PER_PIECE, GROUPED, PADDED, ALL_REDUCE, PRICED)
+# The ``canzona.collectives`` values stage 3 takes.
+ZERO3_SETTINGS = ("default", GROUPED, PADDED, ALL_REDUCE)
 
 
 def backend_name(group) -> str:
@@ -47,10 +59,24 @@ def backend_name(group) -> str:
 def zero3_collectives(choice: str, group) -> str:
     """The ZeRO-3 mode that ``canzona.collectives`` = ``choice`` means on ``group``'s backend."""
     if choice == "default":
-        return PER_PIECE if backend_name(group) == "gloo" else GROUPED
-    if choice in (GROUPED, PADDED):
+        return PER_PIECE if backend_name(group) == "gloo" else PRICED
+    if choice in (GROUPED, PADDED, ALL_REDUCE):
         return choice
-    raise ValueError(f"canzona.collectives must be 'default', 'grouped' or 'padded', got {choice!r}")
+    raise ValueError(f"canzona.collectives must be one of {ZERO3_SETTINGS}, got {choice!r}")
+
+
+def launch_form(mode: str, pieces: Sequence[tuple[int, int]], *, world_size: int, element_bytes: int,
+                costs: CollectiveCosts) -> str:
+    """The form one fetch or gradient bucket of ``(length, owner)`` pieces takes under ``mode``.
+
+    ``per_piece`` and ``grouped`` broadcast / reduce piece by piece (one launch or many); ``priced``
+    asks the cost model for one operation (``choose_piece_form``).
+    """
+    if mode == PRICED:
+        return choose_piece_form(pieces, world_size=world_size, element_bytes=element_bytes, costs=costs)
+    if mode not in ZERO3_MODES:
+        raise ValueError(f"unknown ZeRO-3 collectives mode {mode!r}")
+    return mode
 
 
 class LaunchGroup:
@@ -144,5 +170,20 @@ def padded_reduce_scatter(out: torch.Tensor, flat: torch.Tensor, *, group):
     return dist.reduce_scatter_tensor(out, flat, group=group, async_op=True)
 
 
-__all__ = ["GROUPED", "PADDED", "PER_PIECE", "ZERO3_MODES", "ZERO3_SETTINGS", "LaunchGroup", "PaddedSegments", "backend_name",
-           "padded_all_gather", "padded_reduce_scatter", "zero3_collectives"]
+def back_to_back(lengths: Sequence[int]) -> list[int]:
+    """Where each of pieces of ``lengths`` starts in a buffer that holds them back to back (an all-reduced launch)."""
+    positions, used = [], 0
+    for length in lengths:
+        positions.append(used)
+        used += length
+    return positions
+
+
+def all_reduce_launch(flat: torch.Tensor, *, group):
+    """Start summing ``flat`` over ranks in place; returns the work."""
+    return dist.all_reduce(flat, group=group, async_op=True)
+
+
+__all__ = ["ALL_REDUCE", "GROUPED", "PADDED", "PER_PIECE", "PRICED", "ZERO3_MODES", "ZERO3_SETTINGS", "LaunchGroup",
+           "PaddedSegments", "all_reduce_launch", "back_to_back", "backend_name", "launch_form", "padded_all_gather",
+           "padded_reduce_scatter", "zero3_collectives"]
