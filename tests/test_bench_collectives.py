@@ -39,6 +39,10 @@ cells, both systems at stage 2 with real tensors, and ds_canzona's under FakeTen
   the same calls for ds_canzona and for DeepSpeed; nothing on the DP group in forward;
 - DeepSpeed: its all-gathers of the flat bf16 groups and its gradient all-reduces over DP carry
   this rank's slices of the model.
+
+The last test runs the bench's command line (``--model qwen3-h128 --reduce-bucket-size 200000``)
+at DP 8 and 1024, stages 2 and 3, both systems: ds_canzona's operations per step must not grow
+with the world size and stay at most DeepSpeed's.
 """
 
 from __future__ import annotations
@@ -439,3 +443,32 @@ def test_zero_overrides_are_parsed_recorded_and_kept_apart_and_the_fetches_shown
     with pytest.raises(ValueError, match="zero_overrides"):
         merge_documents([{**run, "cells": [cell("canzona", 30, 20)]}, coarse])
     assert "stage3_prefetch_bucket_size=500000000.0" in format_markdown(merge_documents([coarse]))
+
+
+def test_operations_per_step_do_not_grow_with_the_world_size_on_the_small_model_with_small_buckets():
+    """``bench collectives --model qwen3-h128 --reduce-bucket-size 200000`` at DP 8 and 1024 (one fake-world
+    process per DP; about 50 s here): ds_canzona's NCCL operations per step are the same at both sizes, one
+    per launch, and at most DeepSpeed's, at stages 2 and 3."""
+    import argparse
+
+    from ds_canzona.bench.benchmarks.collectives import _count, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", "qwen3-h128", "--reduce-bucket-size", "200000", "--dp", "8,1024",
+                              "--stages", "2,3"])
+    document = _count(args)
+    assert document["model"] == "qwen3-h128" and document["zero_overrides"] == {"reduce_bucket_size": 200000}
+    cells = {(c["system"], c["stage"], c["dp"]): c for c in document["cells"]}
+    assert not [c for c in cells.values() if c.get("unavailable")], cells
+    for stage in (2, 3):
+        ours = [cells[("canzona", stage, dp)] for dp in (8, 1024)]
+        assert ours[0]["p2p_ops"] == ours[1]["p2p_ops"], (stage, [c["p2p_ops"] for c in ours])
+        for cell in ours:
+            assert cell["p2p_ops"] == cell["launches"], (stage, cell["by_kind"])  # one operation per launch
+            assert cell["p2p_ops"] <= cells[("deepspeed", stage, cell["dp"])]["p2p_ops"], (stage, cell["dp"])
+    # The small buckets took effect: several gradient buckets at stage 2 (one bucket, one gather group
+    # and the norm would be 3 operations).
+    assert cells[("canzona", 2, 8)]["by_kind"]["all_reduce"]["calls"] > 4
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "qwen3-h128", "--reduce-bucket-size", "0"])

@@ -120,8 +120,10 @@ def test_unreadable_shapes_file(tmp_path: Path) -> None:
 
 
 def test_shipped_qwen3_configs() -> None:
-    assert shipped_models() == ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b"]
+    assert shipped_models() == ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b",
+                                "qwen3-h128"]
     expected = {  # hidden, intermediate, layers, heads, kv heads, tied
+        "qwen3-h128": (128, 384, 8, 4, 2, True),
         "qwen3-0.6b": (1024, 3072, 28, 16, 8, True),
         "qwen3-1.7b": (2048, 6144, 28, 16, 8, True),
         "qwen3-4b": (2560, 9728, 36, 32, 8, True),
@@ -141,7 +143,8 @@ def test_shipped_qwen3_configs() -> None:
             kv,
             tied,
         )
-        assert config["head_dim"] == 128 and config["vocab_size"] == 151936
+        small = name == "qwen3-h128"  # the small config of collective counts: head_dim 32, vocabulary 1024
+        assert (config["head_dim"], config["vocab_size"]) == ((32, 1024) if small else (128, 151936))
     total = sum(spec.numel for spec in model_specs("qwen3-32b"))
     assert 32.7e9 < total < 32.8e9
     with pytest.raises(PlanError, match="Unknown model"):

@@ -1,7 +1,9 @@
 """Shipped model configs and a torch-free shape generator for the Qwen3 architecture.
 
 The configs under ``ds_canzona/data/qwen3/`` are the public ``config.json`` values of the Qwen3
-dense family, so reports and benchmarks run offline on real shapes. :func:`qwen3_specs` lists the
+dense family, so reports and benchmarks run offline on real shapes, and one small config of the
+same architecture, ``qwen3-h128`` (8 layers, hidden 128, vocabulary 1024), on which benchmarks
+count collectives with small buckets in seconds. :func:`qwen3_specs` lists the
 parameters ``Qwen3ForCausalLM`` would create, in ``named_parameters()`` order, without importing
 torch; a test checks it against the meta-device model.
 """

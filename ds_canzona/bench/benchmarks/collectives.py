@@ -16,8 +16,9 @@ is not gloo, so the runtimes take their NCCL paths. Per cell:
   the model's gradients in the communication dtype, plus that of the all-gathers and broadcasts
   beyond its parameters (all-reduces, such as the norm's, are not part of either). At stage 3
   DeepSpeed's fetches (``all_gather_coalesced`` of the parameters it fetches) and gradient
-  reduce-scatters (``reduce_scatter_coalesced``) are wrapped with the bytes of their data;
-  ds_canzona's broadcasts and reduces carry whole pieces, with no room for padding.
+  reduce-scatters (``reduce_scatter_coalesced``) are wrapped with the bytes of their data, and
+  so are ds_canzona's padded fetches and gradient buckets; its other forms (broadcasts, reduces,
+  all-reduces) carry whole pieces, with no room for padding.
 
 At stage 3 DeepSpeed's parameter coordinator decides, for both systems, when a module's parameters
 are fetched and how many at once; the launches it issues are counted apart (``fetches``): under one
@@ -187,6 +188,31 @@ def _deepspeed_zero3_data_stated(engine, log) -> Iterator[None]:
         ds_stage3.reduce_scatter_coalesced = original_reduce
 
 
+@contextlib.contextmanager
+def _canzona_zero3_data_stated(engine, log) -> Iterator[None]:
+    """State the data of ds_canzona's padded ZeRO-3 launches (fetches and gradient buckets), so their padding shows.
+
+    Its other forms carry their pieces and nothing else (an all-reduce moves them twice: that is
+    in ``sent``, not padding).
+    """
+    zero, layout = engine.optimizer, engine.optimizer.layout
+    fetch_padded, reduce_padded = layout._fetch_padded, zero._reduce_scatter_padded
+
+    def fetch(params, buffers):
+        with log.carrying(sum(int(b.numel()) * b.element_size() for b in buffers)):
+            return fetch_padded(params, buffers)
+
+    def reduce(pieces):
+        with log.carrying(sum(int(piece.numel()) * zero.reduction.communicate_dtype.itemsize for _, piece in pieces)):
+            return reduce_padded(pieces)
+
+    layout._fetch_padded, zero._reduce_scatter_padded = fetch, reduce
+    try:
+        yield
+    finally:
+        del layout._fetch_padded, zero._reduce_scatter_padded
+
+
 _REDUCE_KINDS = ("reduce_scatter", "reduce_scatter_tensor", "reduce")
 _GATHER_KINDS = ("all_gather", "all_gather_into_tensor", "broadcast")
 
@@ -294,8 +320,9 @@ def count_steps(engine, log, *, stage: int, steps: int = 2) -> list[list]:
     tokens = (torch.arange(TOKENS) * 7919 % vocab).view(1, TOKENS)
     recorded = []
     system_is_deepspeed = not hasattr(engine.optimizer, "plan")
-    data_stated = (_deepspeed_zero3_data_stated(engine, log) if system_is_deepspeed and stage == 3
-                   else contextlib.nullcontext())
+    data_stated = contextlib.nullcontext()
+    if stage == 3:
+        data_stated = (_deepspeed_zero3_data_stated if system_is_deepspeed else _canzona_zero3_data_stated)(engine, log)
     with data_stated, _vocab_shards_as_this_rank():
         for step in range(steps):
             log.reset()
@@ -414,6 +441,8 @@ def _count(args: argparse.Namespace) -> dict[str, Any]:
     unknown = [name for name in args.systems if name not in SYSTEMS]
     if unknown:
         raise ValueError(f"unknown --systems {', '.join(unknown)}: choose from {', '.join(SYSTEMS)}")
+    if args.reduce_bucket_size is not None:
+        args.zero = list(args.zero) + [("reduce_bucket_size", args.reduce_bucket_size)]
     source = {"model": args.model, "hf_config": args.hf_config, "layers": args.layers}
     name = args.model or args.hf_config
     if args.layers:
@@ -604,6 +633,11 @@ def _positive_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def _positive_int(text: str) -> int:
+    (value,) = _positive_list(text)
+    return value
+
+
 def _zero_override(text: str) -> tuple[str, Any]:
     key, separator, value = text.partition("=")
     if not separator or not key:
@@ -634,6 +668,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "of --systems x --stages (e.g. canzona:2,deepspeed:2,canzona:3)")
     parser.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL, metavar="N",
                         help="reduce_bucket_size and allgather_bucket_size (default 5e8)")
+    parser.add_argument("--reduce-bucket-size", type=_positive_int, default=None, metavar="N",
+                        help="reduce_bucket_size alone (the gradient buckets; same as --zero reduce_bucket_size=N)")
     parser.add_argument("--zero", type=_zero_override, action="append", default=[], metavar="KEY=JSON",
                         help="a zero_optimization key for both systems' configs, its value in JSON (repeatable; "
                              "e.g. stage3_prefetch_bucket_size=5e8, or leaf_module='{\"classes\": [...]}')")
