@@ -31,9 +31,15 @@ in one case and padded in one, with the small tensors persistent (refreshed on t
 step) and gradient buckets that launch inside backward. The process is rank 0 of the world: at
 DP=4 it owns some items and not others, so it is both a sender and an owner.
 
+One stage-3 case gives every third parameter two gradients per backward, each from its own
+compute stream (reentrant checkpointing; the runtime sums them on the second stream and drops the
+first, with ``record_stream`` on the second stream).
+
 The control cases run the same engines with the stream order switched off (``streams_are_real``
 false: the plain waits on the current stream that the runtimes did before they stated any order)
-and must show violations, so the checker is shown to see the hazards this code would have. The
+and must show violations, so the checker is shown to see the hazards this code would have; the
+two-gradient control drops the first gradient without its ``record_stream`` and must show it
+freed while in use. The
 first tests check the checker itself on hand-made orders.
 
 One spawned process runs every case (about 25 s here); the checker tests run in the test process.
@@ -80,9 +86,13 @@ CASES = {
     "stage3_grouped_compile_streams": {"stage": 3, "compile_streams": True, "collectives": "grouped"},
     "stage3_padded_compile_streams_bf16_communication": {"stage": 3, "compile_streams": True, "config": NUMERICS,
                                                          "collectives": "padded"},
+    # A parameter with two gradients in one backward (reentrant checkpointing), each from its own stream.
+    "stage3_two_gradients_two_streams": {"stage": 3, "two_gradients": True},
     "control_stage2_compile_streams": {"stage": 2, "compile_streams": True, "unordered": True},
     # Nothing persistent: the small AdamW tensors an owner updates are fetched on DeepSpeed's stream.
     "control_stage3": {"stage": 3, "unordered": True, "persistence_threshold": 0},
+    # The same two gradients, the earlier one dropped on the second stream with no record_stream.
+    "control_stage3_two_gradients_unread": {"stage": 3, "two_gradients": True, "unread": True},
     # Last: DeepSpeed keeps the TP mesh of the first AutoTP engine for the rest of the process.
     "autotp": {"stage": 2, "tp": 2},
     "autotp_compile_streams": {"stage": 2, "tp": 2, "compile_streams": True},
@@ -127,6 +137,37 @@ def _hooks_on_side_stream(model, zero) -> list[int]:
                 hook(p)
 
         zero._hook_handles[i] = param.register_post_accumulate_grad_hook(on_side)
+    return runs
+
+
+def _gradients_twice_on_two_streams(model, zero) -> list[int]:
+    """Every third parameter gets two gradients per backward, the first on one compute stream, the second on another.
+
+    What reentrant activation checkpointing does to a parameter used in two checkpointed segments
+    (stage 3 sums them on the rank before the reduce), with each gradient from its own stream (as
+    torch.compile's backward may run them); returns a counter of second arrivals.
+    """
+    first, second = model.compute_stream("first gradient's stream"), model.compute_stream("second gradient's stream")
+    # The runtime's state once it has seen a second gradient: reduces wait for the end of backward
+    # (with early launches the first arrival could send the tensor before its second gradient).
+    zero.early_launch = False
+    runs = [0]
+    for i, param in enumerate(zero.params):
+        if i % 3 != 1:
+            continue
+        zero._hook_handles[i].remove()
+        hook = zero._make_grad_hook(i)
+
+        def twice(p, hook=hook):
+            again = p.grad.detach().clone()
+            with model.gradient_from(first, p):
+                hook(p)
+            p.grad = again
+            runs[0] += 1
+            with model.gradient_from(second, p):
+                hook(p)
+
+        zero._hook_handles[i] = param.register_post_accumulate_grad_hook(twice)
     return runs
 
 
@@ -203,6 +244,10 @@ def _run_case(case: dict) -> dict:
             engine, batch, loss_of = _engine(case)
             zero = engine.optimizer
             side_runs = _hooks_on_side_stream(model, zero) if case.get("compile_streams") else [0]
+            if case.get("two_gradients"):
+                side_runs = _gradients_twice_on_two_streams(model, zero)
+            if case.get("unread"):  # the control: the earlier gradient dropped without its record_stream
+                zero.streams.read_here = lambda *tensors: None
             for step in range(STEPS):
                 for micro in range(GA):
                     engine.backward(loss_of(engine, batch(step, micro)))
@@ -322,7 +367,7 @@ def runs() -> dict[str, dict]:
     return result
 
 
-ORDERED = [name for name, case in CASES.items() if not case.get("unordered")]
+ORDERED = [name for name in CASES if not name.startswith("control_")]
 
 
 @pytest.mark.parametrize("name", ORDERED)
@@ -348,7 +393,7 @@ def test_runtime_orders_every_collective_and_buffer(runs, name):
             assert run["collectives"].get(f"{kind} on {run['reduction_stream']}") == count, run["collectives"]
         assert gathers["buckets"] > gathers["groups"] >= 1  # several buckets share a launch
         assert run["gather_launches"] == gathers["launches"]
-    if CASES[name].get("compile_streams"):
+    if CASES[name].get("compile_streams") or CASES[name].get("two_gradients"):
         assert run["side_hook_runs"] > 0
     if CASES[name]["stage"] == 3:
         assert run["mode"] == CASES[name].get("collectives", "priced")
@@ -367,3 +412,12 @@ def test_without_stream_order_the_same_runs_have_hazards(runs, name):
     violations = runs[name]["violations"]
     assert any(v.startswith("compute waits in backward") for v in violations), violations
     assert any(v.startswith("race") for v in violations), violations
+
+
+def test_an_earlier_gradient_dropped_on_another_stream_without_record_stream_is_caught(runs):
+    """The control of the two-gradient case: without ``StreamOrder.read_here`` the first gradient's memory goes
+    back to its stream's pool while the second stream's sum may still read it."""
+    violations = runs["control_stage3_two_gradients_unread"]["violations"]
+    freed = [v for v in violations if v.startswith("freed while in use")]
+    assert freed and all("first gradient's stream" in v for v in freed), violations
+    assert runs["stage3_two_gradients_two_streams"]["violations"] == []

@@ -222,7 +222,12 @@ class CanzonaZero3Optimizer(OwnerRuntime):
             if self._local[i] is None:
                 self._local[i] = grad
             else:
-                self._local[i] = self._local[i] + grad
+                # The earlier gradient may have come on another stream: summed and dropped on this one,
+                # its memory must not go back to its own stream's pool before this read.
+                previous = self._local[i]
+                self._local[i] = previous + grad
+                self.streams.read_here(previous)
+                del previous
             self._arrivals[i] += 1
             if self._arrivals[i] > 1:
                 # Its first gradient was no proof that it was done: reduce only when backward ends.

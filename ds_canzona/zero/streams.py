@@ -18,6 +18,8 @@ this module, the way DeepSpeed's ZeRO-1/2 does with its ``reduction_stream``:
 - a buffer the side stream or a collective used is handed back to the caching allocator with
   ``record_stream`` on the side stream (``StreamOrder.keep_alive``): its memory is not given to
   another tensor before the side stream has passed that use;
+- the same for a tensor of one stream read on another and dropped there (a gradient that arrived
+  twice, on two streams, summed on the second: ``StreamOrder.read_here``);
 - the compute stream waits for the side stream once, before the step reads what was reduced
   (``StreamOrder.compute_waits``), and the side stream waits for the compute stream once after
   the step, before it writes those buffers again (``StreamOrder.side_waits``);
@@ -105,6 +107,15 @@ class StreamOrder:
             return
         for tensor in tensors:
             tensor.record_stream(self.side)
+
+    def read_here(self, *tensors: torch.Tensor) -> None:
+        """Tensors allocated on another stream, just read on the current one and about to be dropped: the allocator
+        reuses their memory only once the current stream has passed that read (their own stream never waited for it)."""
+        if not self.ordered:
+            return
+        stream = get_accelerator().current_stream()
+        for tensor in tensors:
+            tensor.record_stream(stream)
 
     def compute_waits(self) -> None:
         """The current (compute) stream waits for everything queued on the side stream, if anything was."""
