@@ -93,8 +93,9 @@ class CanzonaConfig(DeepSpeedConfigModel):
     the update of the previous."""
 
     comm_timeout_s: float = Field(600.0, gt=0.0)
-    """Timeout (s) of the default and data-parallel process groups once the optimizer is built: a dead or
-    hung peer makes every collective (steps, checkpoint saves and loads) raise within this bound."""
+    """Timeout (s) of every process group ds_canzona uses (default, data-parallel, AutoTP's tensor-parallel) once
+    the optimizer is built: a dead or hung peer makes every collective (steps, checkpoint saves and loads) raise
+    within this bound."""
 
     collectives: Literal["default", "grouped", "padded", "allreduce"] = "default"
     """Form of each bucket's reduce-scatter and each gather group's all-gather (stages 1/2): one rank-rooted reduce /

@@ -258,18 +258,26 @@ def count_tp(rank: int, world_size: int) -> dict:
     from ds_canzona.bench.standins.fake_world import fake_world
     from deepspeed.utils import groups
 
+    import ds_canzona.zero.timeouts as timeouts
+
     log = CollectiveLog().install()
-    log.label_groups(group_labeller(TP * TP_DP, TP))
+    label = group_labeller(TP * TP_DP, TP)
+    log.label_groups(label)
+    # The groups canzona.comm_timeout_s is applied to (the fake backend has no timeout to set).
+    timed_out: list[str] = []
+    timeouts._set_timeout = lambda group, timeout: timed_out.append(label(group)) or True
     out = {}
     with fake_world(0, TP * TP_DP):
         groups._init_tp_mesh_device(tensor_model_parallel_size=TP)
         for system, fake in (("canzona", False), ("canzona", True), ("deepspeed", False)):
             with fake_tensors(enabled=fake):
+                timed_out.clear()
                 engine = build_engine(system, 2, TP_DP, {"hf_config": TINY}, bucket_numel=BUCKET_NUMEL, tp=TP)
                 [(calls, _)] = count_steps(engine, log, stage=2)
                 local = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
                 summary = summarise(calls, stage=2, model_numel=local, param_bytes=2, comm_bytes=2, stated_padding=0)
-                row = {"calls": _signature(calls), "summary": summary, "local_bytes": local * 2}
+                row = {"calls": _signature(calls), "summary": summary, "local_bytes": local * 2,
+                       "timed_out": sorted(set(timed_out))}
                 if system == "canzona":
                     zero = engine.optimizer
                     row["micro_groups"] = len(zero.tp_plans[zero.rank][1].groups)
@@ -333,6 +341,16 @@ def test_tp_counts_the_micro_group_exchanges_and_the_dp_collectives_of_the_plan(
     by_group = canzona["summary"]["by_group"]
     assert by_group["tp"]["phases"]["step"]["launches"] == 2 * canzona["micro_groups"]
     assert sum(row["launches"] for row in by_group.values()) == canzona["summary"]["launches"]
+
+
+def test_tp_comm_timeout_is_set_on_every_group_the_step_communicates_over(tp_counted):
+    """canzona.comm_timeout_s reaches the TP group too: every group of a training step's collectives got it."""
+    for fake in (False, True):
+        row = tp_counted[("canzona", fake)]
+        used = {c[6] for c in row["calls"]}
+        assert used == {"dp", "tp", "world"}, used
+        assert used <= set(row["timed_out"]), (used, row["timed_out"])
+    assert tp_counted[("deepspeed", False)]["timed_out"] == []  # DeepSpeed's own optimizer: not ours to set
 
 
 def test_tp_buckets_close_on_the_slices_a_rank_holds(tp_counted):

@@ -6,10 +6,12 @@ timeout: DeepSpeed creates the default group with ``DEEPSPEED_TIMEOUT`` minutes 
 and torch gives groups made with ``new_group`` 30 minutes (gloo) or 10 (NCCL).
 
 When the engine builds the ds_canzona optimizer, :func:`apply_comm_timeout` sets
-``comm_timeout_s`` as the timeout of the default process group and of the engine's
-data-parallel groups, so that every collective ds_canzona runs from then on (bucket
-reduce-scatters and all-gathers, the gradient-norm all-reduce, the checkpoint agreements)
-raises in the surviving ranks within that many seconds of a peer going silent:
+``comm_timeout_s`` as the timeout of every process group ds_canzona communicates over
+(:func:`canzona_process_groups`: the default group, the engine's data-parallel groups and,
+under AutoTP, the tensor-parallel group), so that every collective ds_canzona runs from then on
+(bucket reduce-scatters and all-gathers, the micro-group all-to-alls, the gradient-norm
+all-reduce, the checkpoint agreements) raises in the surviving ranks within that many seconds of
+a peer going silent:
 
 * gloo raises ``RuntimeError`` from the collective (``Timed out waiting ...ms``); a peer that
   died outright usually closes its sockets and the error comes at once ("Connection closed by
@@ -41,19 +43,29 @@ def _set_timeout(group, timeout: timedelta) -> bool:
     return True
 
 
+def canzona_process_groups(engine) -> list:
+    """Every process group the ds_canzona runtimes of ``engine`` communicate over (None: the default group)."""
+    from ds_canzona.zero.support import autotp_size
+
+    candidates = [None, getattr(engine, "data_parallel_group", None), getattr(engine, "seq_data_parallel_group", None)]
+    if autotp_size(engine) > 1:  # the micro-groups' all-to-alls and the masters' gather (ds_canzona.zero.tp)
+        from deepspeed.utils import groups as deepspeed_groups
+        candidates.append(deepspeed_groups.get_tensor_model_parallel_group())
+    groups = [None]
+    for group in candidates[1:]:
+        if group is not None and all(group is not g for g in groups):
+            groups.append(group)
+    return groups
+
+
 def apply_comm_timeout(engine, seconds: float) -> None:
-    """Give the default group and the engine's data-parallel groups a ``seconds`` timeout."""
+    """Give every process group ds_canzona uses (``canzona_process_groups``) a ``seconds`` timeout."""
     import torch.distributed as torch_dist
 
     if not torch_dist.is_available() or not torch_dist.is_initialized():
         return
     timeout = timedelta(seconds=float(seconds))
-    groups = [None]
-    for attribute in ("data_parallel_group", "seq_data_parallel_group"):
-        group = getattr(engine, attribute, None)
-        if group is not None and all(group is not g for g in groups):
-            groups.append(group)
-    for group in groups:
+    for group in canzona_process_groups(engine):
         if not _set_timeout(group, timeout):
             logger.warning("ds_canzona: this torch cannot change a process group's timeout; canzona.comm_timeout_s "
                            "is not enforced (set DEEPSPEED_TIMEOUT or deepspeed.init_distributed(timeout=...))")
