@@ -28,6 +28,14 @@ CUDA and NCCL would do, while the tensors stay on the CPU:
 - ``work.wait()`` inside backward (a graph task running) while a compute stream (the default
   stream, or a stream made by ``compute_stream``) is current is recorded: it would make backward's
   compute wait for communication.
+- host memory (what ``ds_canzona.zero.offload.host_empty`` allocates, page-locked or not) has a
+  timeline of its own, the host's: an operation on host tensors only is host compute, ordered
+  after what the host synchronised with; a ``copy_`` between host and device memory runs on the
+  current stream and, unless it is ``non_blocking`` from or to page-locked memory, the host
+  waits for it (CUDA copies through pageable memory synchronously). So a host read of what an
+  asynchronous copy wrote is a race unless the host synchronised with its stream (or an event
+  after it). Freed host memory is not checked: torch's pinned-memory allocator keeps a block
+  until the copies that used it are done.
 
 ``StreamModel.violations`` lists what was found, one line each, with the places in the code.
 """
@@ -56,7 +64,7 @@ class Timeline:
 
     def __init__(self, name: str, *, kind: str, compute: bool = False) -> None:
         self.name = name
-        self.kind = kind  # "stream" or "collective"
+        self.kind = kind  # "stream", "collective" or "host"
         self.compute = compute
         self.count = 0
         self.clock: dict[Timeline, int] = {}
@@ -248,6 +256,7 @@ class StreamModel:
         self.events: Counter = Counter()  # stream API calls by kind
         self.suspended = 0
         self._timelines: list[Timeline] = [self.default.timeline]  # every stream and collective, for a device sync
+        self._host_memory: dict[int, tuple[StorageWeakRef, bool]] = {}  # storage pointer: (storage, page-locked)
 
     # ------------------------------------------------------------------ streams
     def current_stream(self) -> StandInStream:
@@ -312,6 +321,24 @@ class StreamModel:
         finally:
             self.suspended -= 1
 
+    # ------------------------------------------------------------------ host memory
+    def register_host(self, tensor: torch.Tensor, *, pinned: bool) -> None:
+        """``tensor``'s storage is host memory (page-locked or not), allocated by the host: no earlier use."""
+        storage = tensor.untyped_storage()
+        self._host_memory[storage.data_ptr()] = (StorageWeakRef(storage), pinned)
+        record = self._record(tensor, self.host, "host allocation", _site(), fresh=True)
+        record.history.clear()
+        record.allocated_on = self.host
+
+    def host_memory(self, tensor: torch.Tensor) -> str | None:
+        """"pinned", "pageable", or None (device memory) for ``tensor``'s storage."""
+        if tensor.numel() == 0:
+            return None
+        entry = self._host_memory.get(tensor.untyped_storage().data_ptr())
+        if entry is None or entry[0].expired():
+            return None
+        return "pinned" if entry[1] else "pageable"
+
     # ------------------------------------------------------------------ findings
     def violation(self, kind: str, message: str, key) -> None:
         if (kind, key) in self._seen:
@@ -342,7 +369,7 @@ class StreamModel:
         start = tensor.storage_offset() * size
         span = 1 + sum((n - 1) * abs(s) for n, s in zip(tensor.shape, tensor.stride()))
         stop = start + span * size
-        index = timeline.tick() if timeline.kind == "stream" else timeline.count
+        index = timeline.tick() if timeline.kind in ("stream", "host") else timeline.count
         for earlier in record.history:
             if earlier.timeline is timeline or earlier.stop <= start or stop <= earlier.start:
                 continue
@@ -384,6 +411,10 @@ class StreamModel:
                 alive.append(record)
                 continue
             owner = record.allocated_on
+            if owner is self.host:  # torch's host allocator waits for the copies itself
+                if self._storages.get(record.pointer) is record:
+                    del self._storages[record.pointer]
+                continue
             for use in record.history:
                 if use.timeline is owner or owner.knows(use.timeline, use.index):
                     continue
@@ -434,6 +465,11 @@ class StreamModel:
 
 
 # --------------------------------------------------------------------------- the torch operations
+# Factories whose tensor argument is read for its shape and dtype only, never its data.
+_SHAPE_ONLY = frozenset({"empty_like", "zeros_like", "ones_like", "full_like", "new_empty", "new_empty_strided",
+                         "new_zeros", "new_ones", "new_full"})
+
+
 class _AccessMode(TorchDispatchMode):
     """Every torch operation as reads and writes on the current stream."""
 
@@ -459,15 +495,21 @@ class _AccessMode(TorchDispatchMode):
                 written += tensors
             else:
                 read += tensors
+        if func.overloadpacket.__name__ in _SHAPE_ONLY:
+            read = []  # the argument gives a shape and dtype (and, on a GPU, a device of the caller's choice)
         inputs = {t.untyped_storage().data_ptr() for t in written + read if t.numel()}
         outputs = tensors_in(out)
         fresh = [t for t in outputs if t.numel() and t.untyped_storage().data_ptr() not in inputs]
         if not written and outputs and not fresh:
             return out  # a view (or an empty result): no data is touched
         site = _site()
+        op = str(func.overloadpacket.__name__)
+        placed = [model.host_memory(t) for t in written + read]
+        if any(placed):
+            named = dict(zip((a.name for a in schema.arguments), args), **kwargs)  # copy_'s non_blocking: positional
+            return self._host_operation(func, op, site, written, read, fresh, placed, named, out)
         stream = model.current_stream()
         timeline = model._issue_point(stream)
-        op = str(func.overloadpacket.__name__)
         for tensor in read:
             model.access(timeline, tensor, write=False, op=op, site=site)
         for tensor in written:
@@ -477,6 +519,28 @@ class _AccessMode(TorchDispatchMode):
         if not outputs and not written:
             # A value for the host (.item(), torch.equal): on a GPU the host waits for the stream.
             model.host_sync(timeline.snapshot())
+        return out
+
+
+    def _host_operation(self, func, op, site, written, read, fresh, placed, kwargs, out):
+        """An operation on host memory: a copy to or from the device on the current stream, or host compute."""
+        model = self.model
+        on_device = [t for t, where in zip(written + read, placed) if where is None]
+        if op == "copy_" and on_device:
+            timeline = model._issue_point(model.current_stream())
+            asynchronous = bool(kwargs.get("non_blocking")) and all(where in (None, "pinned") for where in placed)
+        else:  # the host computes (a device tensor read here unordered shows as a race)
+            timeline, asynchronous = model.host, True
+        for tensor in read:
+            model.access(timeline, tensor, write=False, op=op, site=site)
+        for tensor in written:
+            model.access(timeline, tensor, write=True, op=op, site=site)
+        for tensor in fresh:
+            if timeline is model.host:
+                model.register_host(tensor, pinned=False)  # computed by the host: host memory
+            model.access(timeline, tensor, write=True, op=op, site=site, fresh=timeline is not model.host)
+        if not asynchronous:
+            model.host_sync(timeline.snapshot())  # the host waits for a copy through pageable memory
         return out
 
 
@@ -517,6 +581,15 @@ def _stand_in_accelerator(model: StreamModel):
         @property
         def Event(self):
             return functools.partial(StandInEvent, model)
+
+        def pin_memory(self, tensor, align_bytes=1):
+            with model.suspend():
+                pinned = tensor.clone()
+            model.register_host(pinned, pinned=True)
+            return pinned
+
+        def is_pinned(self, tensor):
+            return model.host_memory(tensor) == "pinned"
 
         def synchronize(self, device_index=None):
             model.note("device synchronize")
@@ -585,6 +658,19 @@ def install_stream_model():
             raise TypeError(f"record_stream with {stream!r}: the stream model knows only its own streams")
 
     patch(torch.Tensor, "record_stream", record_stream)
+
+    import ds_canzona.zero.offload as offload
+    allocate_host = offload.host_empty
+
+    def host_empty(shape, dtype, *, pin):
+        with model.suspend():
+            host = allocate_host(shape, dtype, pin=False)
+        if pin:
+            return get_accelerator().pin_memory(host)
+        model.register_host(host, pinned=False)
+        return host
+
+    patch(offload, "host_empty", host_empty)
     mode = _AccessMode(model)
     try:
         with mode:

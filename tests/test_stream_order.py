@@ -31,6 +31,11 @@ in one case and padded in one, with the small tensors persistent (refreshed on t
 step) and gradient buckets that launch inside backward. The process is rank 0 of the world: at
 DP=4 it owns some items and not others, so it is both a sender and an owner.
 
+Three cases offload the optimizer (stages 2 and 3, page-locked and pageable host memory): the
+stand-in gives host memory the host's timeline (``stream_standin``), so the copy stream's
+asynchronous copies, the event the compute stream waits for, and the host's reads (the AdamW
+items, and a read of every master after each step, as a checkpoint save does) are checked too.
+
 One stage-3 case gives every third parameter two gradients per backward, each from its own
 compute stream (reentrant checkpointing; the runtime sums them on the second stream and drops the
 first, with ``record_stream`` on the second stream).
@@ -39,7 +44,8 @@ The control cases run the same engines with the stream order switched off (``str
 false: the plain waits on the current stream that the runtimes did before they stated any order)
 and must show violations, so the checker is shown to see the hazards this code would have; the
 two-gradient control drops the first gradient without its ``record_stream`` and must show it
-freed while in use. The
+freed while in use; the offload controls skip the copy stream's synchronize and the wait for a
+wave's event, and must show the races they open. The
 first tests check the checker itself on hand-made orders.
 
 One spawned process runs every case (about 25 s here); the checker tests run in the test process.
@@ -61,6 +67,7 @@ NUMERICS = {"communication_data_type": "bf16", "gradient_predivide_factor": 2.0}
 # launch), or the grouped or padded ones where named (ds_canzona.zero.stage3_comm): the norms and
 # biases (24 elements) persistent, the matrices fetched per module, gradients in buckets small
 # enough that several launch inside backward.
+OFFLOAD_PINNED = {"device": "cpu", "pin_memory": True}
 STAGE3_PERSISTENCE_THRESHOLD = 100
 STAGE3_BUCKET = 600
 
@@ -86,11 +93,22 @@ CASES = {
     "stage3_grouped_compile_streams": {"stage": 3, "compile_streams": True, "collectives": "grouped"},
     "stage3_padded_compile_streams_bf16_communication": {"stage": 3, "compile_streams": True, "config": NUMERICS,
                                                          "collectives": "padded"},
+    # Optimizer offload, page-locked: matrices staged through the copy stream, the rest on the host.
+    "stage2_offload_pinned": {"stage": 2, "zero": {"offload_optimizer": OFFLOAD_PINNED}},
+    "stage3_offload_pinned_compile_streams": {"stage": 3, "compile_streams": True,
+                                              "zero": {"offload_optimizer": OFFLOAD_PINNED}},
+    "stage2_offload_pageable": {"stage": 2, "zero": {"offload_optimizer": {"device": "cpu", "pin_memory": False}}},
     # A parameter with two gradients in one backward (reentrant checkpointing), each from its own stream.
     "stage3_two_gradients_two_streams": {"stage": 3, "two_gradients": True},
     "control_stage2_compile_streams": {"stage": 2, "compile_streams": True, "unordered": True},
     # Nothing persistent: the small AdamW tensors an owner updates are fetched on DeepSpeed's stream.
     "control_stage3": {"stage": 3, "unordered": True, "persistence_threshold": 0},
+    # Offload without the copy stream's synchronize at the end of the update (the host then reads
+    # masters still being copied back), and without the compute stream's wait for a wave's copies.
+    "control_stage2_offload_no_copy_sync": {"stage": 2, "zero": {"offload_optimizer": OFFLOAD_PINNED},
+                                            "offload_control": "no_copy_sync"},
+    "control_stage2_offload_no_event_wait": {"stage": 2, "zero": {"offload_optimizer": OFFLOAD_PINNED},
+                                             "offload_control": "no_event_wait"},
     # The same two gradients, the earlier one dropped on the second stream with no record_stream.
     "control_stage3_two_gradients_unread": {"stage": 3, "two_gradients": True, "unread": True},
     # Last: DeepSpeed keeps the TP mesh of the first AutoTP engine for the rest of the process.
@@ -112,6 +130,7 @@ def _engine(case: dict):
     from tiny_model import batches
     config = zero_workers.make_config(WORLD, stage=case["stage"], gradient_accumulation_steps=GA,
                                       canzona=case.get("canzona"), **case.get("config", {}))
+    config["zero_optimization"].update(case.get("zero", {}))
     if case["stage"] == 3:
         config["zero_optimization"]["stage3_param_persistence_threshold"] = case.get("persistence_threshold",
                                                                                      STAGE3_PERSISTENCE_THRESHOLD)
@@ -248,10 +267,22 @@ def _run_case(case: dict) -> dict:
                 side_runs = _gradients_twice_on_two_streams(model, zero)
             if case.get("unread"):  # the control: the earlier gradient dropped without its record_stream
                 zero.streams.read_here = lambda *tensors: None
+            if case.get("offload_control") == "no_copy_sync":  # the host reads the masters before the copies end
+                zero.offload._copy_stream.synchronize = lambda: None
+            if case.get("offload_control") == "no_event_wait":  # the update reads a wave before it arrived
+                stage_in = zero.offload._stage_in
+                zero.offload._stage_in = lambda wave: (stage_in(wave)[0], None)
             for step in range(STEPS):
                 for micro in range(GA):
                     engine.backward(loss_of(engine, batch(step, micro)))
                     engine.step()
+                if case.get("zero", {}).get("offload_optimizer"):
+                    # What a checkpoint save does after a step: the host reads every owned master and state.
+                    for owned in zero.owned_tensors():
+                        float(owned.master.sum())
+                        for value in owned.state.values():
+                            if torch.is_tensor(value) and value.numel():
+                                float(value.float().sum())
             reduction = getattr(getattr(zero, "streams", None), "side", None)
             result = {
                 "violations": list(model.violations),
@@ -263,6 +294,9 @@ def _run_case(case: dict) -> dict:
             }
             if case["stage"] == 3:
                 result["mode"], result["refresh_form"] = zero.collectives, _stage3_refresh_form(zero)
+            if getattr(zero, "offload", None) is not None:
+                result["offload"] = {"pinned": zero.offload.pinned, "to_device": zero.offload.counter.total_to_device,
+                                     "to_host": zero.offload.counter.total_to_host}
             if case["stage"] in (1, 2) and not case.get("tp"):
                 result["expected_gathers"] = _expected_gathers(zero)
                 result["gather_launches"] = zero.comm.calls["all_gather"]
@@ -421,3 +455,21 @@ def test_an_earlier_gradient_dropped_on_another_stream_without_record_stream_is_
     freed = [v for v in violations if v.startswith("freed while in use")]
     assert freed and all("first gradient's stream" in v for v in freed), violations
     assert runs["stage3_two_gradients_two_streams"]["violations"] == []
+
+
+def test_offload_copies_are_ordered_on_pinned_and_pageable_host_memory(runs):
+    """Offloaded masters and state: page-locked on the stand-in (its accelerator pins), bytes both ways, no hazard."""
+    for name in ("stage2_offload_pinned", "stage3_offload_pinned_compile_streams", "stage2_offload_pageable"):
+        offload = runs[name]["offload"]
+        assert offload["pinned"] == (name != "stage2_offload_pageable"), name
+        assert offload["to_device"] > 0 and offload["to_host"] > 0, name
+        assert runs[name]["violations"] == [], "\n".join(runs[name]["violations"])
+
+
+def test_offload_controls_show_the_hazards_of_a_missing_synchronize_and_event_wait(runs):
+    """Without the copy stream's synchronize the host's read of a master races its copy back; without the event
+    the update reads a staged wave before its copy in ended."""
+    no_sync = runs["control_stage2_offload_no_copy_sync"]["violations"]
+    assert any(v.startswith("race") and "on host" in v and "copy_" in v for v in no_sync), no_sync
+    no_wait = runs["control_stage2_offload_no_event_wait"]["violations"]
+    assert any(v.startswith("race") and "default (compute)" in v and "copy_" in v for v in no_wait), no_wait

@@ -124,6 +124,18 @@ class TransferCounter:
         return self.to_device + self.to_host
 
 
+def host_empty(shape, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
+    """Host memory for the offload, page-locked when ``pin`` (and the accelerator pins).
+
+    Only page-locked memory lets a ``copy_(..., non_blocking=True)`` to or from the device run
+    asynchronously; from pageable memory CUDA copies synchronously (the host waits), so with
+    ``pin_memory: false`` the double buffering overlaps nothing. Every host tensor of the offload
+    comes from here (the stream stand-in of tests/test_stream_order.py tells host from device by it).
+    """
+    host = torch.empty(shape, dtype=dtype, device="cpu")
+    return get_accelerator().pin_memory(host) if pin else host
+
+
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
@@ -171,10 +183,8 @@ class OptimizerOffload:
     # ------------------------------------------------------------------ placement
     def _host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host copy of ``tensor`` (never the tensor itself: at fp32 the master was the parameter view)."""
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+        host = host_empty(tensor.shape, tensor.dtype, pin=self.settings.pin_memory)
         host.copy_(tensor)
-        if self.settings.pin_memory:
-            host = self._accelerator.pin_memory(host)
         return host
 
     def _staged_bytes(self, t: OwnedTensor) -> int:
@@ -270,9 +280,7 @@ class OptimizerOffload:
                     host = s.owned.state.get(key)
                     if not (torch.is_tensor(host) and host.shape == value.shape and host.dtype == value.dtype):
                         # The rule replaced the tensor with one of another shape: a host tensor of its own.
-                        host = torch.empty(value.shape, dtype=value.dtype, device="cpu")
-                        if self.settings.pin_memory:
-                            host = self._accelerator.pin_memory(host)
+                        host = host_empty(value.shape, value.dtype, pin=self.settings.pin_memory)
                         s.owned.state[key] = host
                     host.copy_(value, non_blocking=True)
                     self.counter.add("to_host", value)
@@ -293,8 +301,8 @@ class OptimizerOffload:
     def _update_on_host(self, rule, group: dict, members: list[tuple[OwnedTensor, torch.Tensor]]) -> None:
         host_grads = []
         for t, g in members:
-            host = torch.empty(g.shape, dtype=g.dtype, device="cpu")
-            host.copy_(g)  # waits for the gradient: the host computes next
+            host = host_empty(g.shape, g.dtype, pin=False)
+            host.copy_(g)  # synchronous (pageable memory): the host computes on it next
             self.counter.add("to_host", host)
             host_grads.append(host)
         masters, states = [t.master for t, _ in members], [t.state for t, _ in members]
@@ -382,5 +390,4 @@ class _CPUAdamKernel:
 
 
 __all__ = ["DEFAULT_STAGING_BYTES", "HOST_ADAM_CHOICES", "OffloadSettings", "OffloadedDeviceMemory", "OptimizerOffload",
-           "TransferCounter",
-           "offload_settings"]
+           "TransferCounter", "host_empty", "offload_settings"]
