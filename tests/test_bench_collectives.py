@@ -32,8 +32,9 @@ partitions after three steps the same to the bit (the replacements move the same
 A second spawn (rank 0 of TP=2 x DP=2; 14 s at a load average of 7, 92 s at 25) counts AutoTP
 cells, both systems at stage 2 with real tensors, and ds_canzona's under FakeTensorMode too:
 
-- ds_canzona: on the TP group in the step, two ``all_to_all_single`` per micro-group of its TP plan
-  (``tp_plans``: the gather of slices to the hosts, the scatter back); on the DP group, its buckets'
+- ds_canzona: on the TP group in the step, the ``all_to_all_single`` launches of its TP plan's
+  micro-groups (``tp_plans``: the gathers of slices to the hosts and the scatters back, a scatter
+  sharing its launch with the gather two groups on: groups + 2); on the DP group, its buckets'
   collectives as above, over the local slices' cuts; one norm all-reduce over the whole world;
 - both systems: in forward and backward on the TP group, AutoTP's own collectives (the model's):
   the same calls for ds_canzona and for DeepSpeed; nothing on the DP group in forward;
@@ -319,11 +320,14 @@ def _calls(row, group=None, phase=None, kind=None):
 
 
 def test_tp_counts_the_micro_group_exchanges_and_the_dp_collectives_of_the_plan(tp_counted):
+    from ds_canzona.zero.tp_exchange import MicroGroupExchange
+
     canzona = tp_counted[("canzona", False)]
     assert canzona["dp_rank"] == 0
     assert canzona["micro_groups"] > 0, "the tiny model's sharded matrices make no micro-group on DP rank 0"
     exchange = _calls(canzona, "tp", "step")
-    assert [c[0] for c in exchange] == ["all_to_all_single"] * (2 * canzona["micro_groups"])
+    launches = MicroGroupExchange.launches_per_step(canzona["micro_groups"])
+    assert [c[0] for c in exchange] == ["all_to_all_single"] * launches
     assert all(c[1] == TP and c[2] == 1 for c in exchange)
 
     over_dp = _calls(canzona, "dp")

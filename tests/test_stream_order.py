@@ -301,8 +301,9 @@ def _run_case(case: dict) -> dict:
                 result["expected_gathers"] = _expected_gathers(zero)
                 result["gather_launches"] = zero.comm.calls["all_gather"]
             if case.get("tp"):
-                # The masters' gather at start-up, then a gather and a scatter per micro-group and step.
-                result["expected"]["all_to_all_single"] = len(zero.exchange.groups) * (1 + 2 * STEPS)
+                # The masters' gather at start-up (one per micro-group), then each step's exchange.
+                groups = len(zero.exchange.groups)
+                result["expected"]["all_to_all_single"] = groups + STEPS * zero.exchange.launches_per_step(groups)
     finally:
         streams.streams_are_real = real
     return result

@@ -3,7 +3,8 @@
 Under AutoTP every rank of a TP group holds a slice of each sharded matrix; a matrix optimizer
 needs the whole matrix. Canzona's answer (the paper's Algorithm 2, planned by
 ``ds_canzona.plan.plan_tp_hosts``): each matrix has one host rank in its TP group, and matrices
-travel in micro-groups. Per micro-group there are exactly two collectives on the TP group:
+travel in micro-groups. Per micro-group there are two messages on the TP group, each an
+``all_to_all_single`` of its own or sharing one (below):
 
     gather:   one all_to_all_single: every rank sends, to each host, its slices of the matrices
               that host computes (fp32 gradients); the host reassembles each whole matrix from
@@ -15,7 +16,10 @@ Split sizes may be zero (a rank past the KV-head count holds an empty slice; a r
 nothing in a group receives nothing). The exchange is pipelined: the gather of group k+1 is
 launched before group k is computed, and the scatter of group k is completed only after group k+1
 has been launched, so on a backend with asynchronous collectives the communication of one group
-runs behind the computation of another.
+runs behind the computation of another. The scatter of group k and the gather of group k+2 leave
+at the same moment (after update k), so they go as one all_to_all_single, each rank's segment
+holding the scatter's part and then the gather's: a step is n + 2 launches for n groups, not 2n,
+the same bytes, the same overlap.
 
 Streams (CUDA): the exchange runs inside the optimizer step, on the compute stream. An
 asynchronous NCCL collective starts after the work queued so far on the stream that issues it
@@ -60,10 +64,22 @@ class ExchangedMatrix:
 
 
 @dataclass
+class _Message:
+    """One direction of one micro-group: this rank's parts for each rank, and what it receives from each."""
+
+    parts: list[list[torch.Tensor]]  # per destination TP rank, in order
+    receive_sizes: list[int]  # elements from each source TP rank
+
+
+@dataclass
 class _InFlight:
+    """One all_to_all_single carrying one or more messages; ``offsets[i][r]``: where message i from rank r starts."""
+
     handle: object
     send: torch.Tensor  # kept alive until the collective is done
     receive: torch.Tensor
+    offsets: list[list[int]]
+    done: bool = False
 
 
 class MicroGroupExchange:
@@ -82,43 +98,73 @@ class MicroGroupExchange:
         self.wait_seconds = 0.0
 
     def _wait(self, flight: _InFlight) -> None:
+        if flight.done:  # a launch that carried two messages is waited for once
+            return
         start = time.perf_counter()
         flight.handle.wait()
         self.wait_seconds += time.perf_counter() - start
+        flight.done = True
 
     def hosted(self, k: int) -> list[ExchangedMatrix]:
         return [m for m in self.groups[k] if m.host == self.tp_rank]
 
-    # ------------------------------------------------------------------ one collective each
-    def _all_to_all(self, send_parts: list[torch.Tensor], send_sizes: list[int], receive_sizes: list[int]) -> _InFlight:
-        send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=torch.float32, device=self.device)
+    @staticmethod
+    def launches_per_step(groups: int) -> int:
+        """All-to-alls of one step's exchange of ``groups`` micro-groups (``run``): 2 for one, groups + 2 above."""
+        return 0 if groups == 0 else 2 if groups == 1 else groups + 2
+
+    # ------------------------------------------------------------------ messages and launches
+    def _launch(self, messages: list[_Message]) -> _InFlight:
+        """One all_to_all_single of ``messages``, each rank's segment holding them back to back in that order."""
+        ranks = range(self.tp_size)
+        parts = [part.reshape(-1) for r in ranks for message in messages for part in message.parts[r]]
+        send = torch.cat(parts) if parts else torch.empty(0, dtype=torch.float32, device=self.device)
+        send_sizes = [sum(part.numel() for message in messages for part in message.parts[r]) for r in ranks]
+        receive_sizes = [sum(message.receive_sizes[r] for message in messages) for r in ranks]
+        offsets = [[0] * self.tp_size for _ in messages]
+        position = 0
+        for r in ranks:
+            for i, message in enumerate(messages):
+                offsets[i][r] = position
+                position += message.receive_sizes[r]
         receive = torch.empty(sum(receive_sizes), dtype=torch.float32, device=self.device)
         self.counter.add("all_to_all", send.numel() * send.element_size())
         # Bytes only (not a call of its own): what actually leaves this rank, its own split staying local.
         self.counter.bytes["tp_exchange_sent"] += (send.numel() - send_sizes[self.tp_rank]) * send.element_size()
         handle = dist.all_to_all_single(receive, send, output_split_sizes=receive_sizes, input_split_sizes=send_sizes,
                                         group=self.tp_group, async_op=True)
-        return _InFlight(handle=handle, send=send, receive=receive)
+        return _InFlight(handle=handle, send=send, receive=receive, offsets=offsets)
+
+    def _gather_message(self, k: int, slices: dict[int, torch.Tensor]) -> _Message:
+        """This rank's fp32 slices of group k's matrices, to their hosts."""
+        me, ranks = self.tp_rank, range(self.tp_size)
+        parts = [[slices[m.item] for m in self.groups[k] if m.host == host] for host in ranks]
+        hosted = self.hosted(k)
+        return _Message(parts=parts, receive_sizes=[sum(m.split.local_numel(r) for m in hosted) for r in ranks])
+
+    def _scatter_message(self, k: int, full: dict[int, torch.Tensor]) -> _Message:
+        """Every rank's slice of each matrix this rank hosts in group k."""
+        me, ranks = self.tp_rank, range(self.tp_size)
+        hosted = self.hosted(k)
+        parts = [[m.split.slice_of(full[m.item], rank) for m in hosted] for rank in ranks]
+        receive_sizes = [sum(m.split.local_numel(me) for m in self.groups[k] if m.host == host) for host in ranks]
+        return _Message(parts=parts, receive_sizes=receive_sizes)
 
     def launch_gather(self, k: int, slices: dict[int, torch.Tensor]) -> _InFlight:
-        """Send this rank's fp32 slices of group k's matrices to their hosts."""
-        me, ranks = self.tp_rank, range(self.tp_size)
-        parts, send_sizes = [], []
-        for host in ranks:
-            to_host = [m for m in self.groups[k] if m.host == host]
-            parts += [slices[m.item].reshape(-1) for m in to_host]
-            send_sizes.append(sum(m.split.local_numel(me) for m in to_host))
-        hosted = self.hosted(k)
-        receive_sizes = [sum(m.split.local_numel(r) for m in hosted) for r in ranks]
-        return self._all_to_all(parts, send_sizes, receive_sizes)
+        """Send this rank's fp32 slices of group k's matrices to their hosts (one all_to_all_single)."""
+        return self._launch([self._gather_message(k, slices)])
 
-    def finish_gather(self, k: int, flight: _InFlight) -> dict[int, torch.Tensor]:
+    def launch_scatter(self, k: int, full: dict[int, torch.Tensor]) -> _InFlight:
+        """Send every rank its slice of each matrix this rank hosts in group k (one all_to_all_single)."""
+        return self._launch([self._scatter_message(k, full)])
+
+    def finish_gather(self, k: int, flight: _InFlight, message: int = 0) -> dict[int, torch.Tensor]:
         """The whole fp32 matrices this rank hosts in group k, reassembled from every rank's slice."""
         self._wait(flight)
         hosted = self.hosted(k)
         full = {m.item: torch.empty(m.split.logical_shape, dtype=torch.float32, device=self.device) for m in hosted}
-        position = 0
         for rank in range(self.tp_size):
+            position = flight.offsets[message][rank]
             for m in hosted:
                 numel = m.split.local_numel(rank)
                 piece = flight.receive[position:position + numel].view(m.split.local_shape(rank))
@@ -126,19 +172,11 @@ class MicroGroupExchange:
                 position += numel
         return full
 
-    def launch_scatter(self, k: int, full: dict[int, torch.Tensor]) -> _InFlight:
-        """Send every rank its slice of each matrix this rank hosts in group k."""
-        me, ranks = self.tp_rank, range(self.tp_size)
-        hosted = self.hosted(k)
-        parts = [m.split.slice_of(full[m.item], rank).reshape(-1) for rank in ranks for m in hosted]
-        send_sizes = [sum(m.split.local_numel(rank) for m in hosted) for rank in ranks]
-        receive_sizes = [sum(m.split.local_numel(me) for m in self.groups[k] if m.host == host) for host in ranks]
-        return self._all_to_all(parts, send_sizes, receive_sizes)
-
-    def finish_scatter(self, k: int, flight: _InFlight, write: SliceWriter) -> None:
+    def finish_scatter(self, k: int, flight: _InFlight, write: SliceWriter, message: int = 0) -> None:
         self._wait(flight)
-        me, position = self.tp_rank, 0
+        me = self.tp_rank
         for host in range(self.tp_size):
+            position = flight.offsets[message][host]
             for m in self.groups[k]:
                 if m.host != host:
                     continue
@@ -157,21 +195,29 @@ class MicroGroupExchange:
     def run(self, slices: dict[int, torch.Tensor], update: HostUpdate, write: SliceWriter) -> None:
         """One optimizer step of the TP-sharded matrices: gather, update on the hosts, scatter, pipelined.
 
-        Collective order on every rank: gather 0, gather 1, scatter 0, gather 2, scatter 1, ...,
-        scatter n-1. While group k is reassembled and updated, the gather of group k+1 and the
-        scatter of group k-1 are in flight.
+        Collective order on every rank: gather 0, gather 1, then after each update k one launch of
+        scatter k with gather k+2 (while there is one), so n groups take n + 2 all-to-alls (2 for
+        one group) instead of 2n. While group k is reassembled and updated, the gather of group
+        k+1 and the scatter of group k-1 are in flight, as with one launch each.
         """
         count = len(self.groups)
         if count == 0:
             return
-        gathering = self.launch_gather(0, slices)
+        gathering: dict[int, tuple[_InFlight, int]] = {0: (self.launch_gather(0, slices), 0)}
+        if count > 1:
+            gathering[1] = (self.launch_gather(1, slices), 0)
         scattering: tuple[int, _InFlight] | None = None
         for k in range(count):
-            following = self.launch_gather(k + 1, slices) if k + 1 < count else None
-            updated = update(self.finish_gather(k, gathering))
-            flight = self.launch_scatter(k, updated)
+            updated = update(self.finish_gather(k, *gathering.pop(k)))
+            messages = [self._scatter_message(k, updated)]
+            if k + 2 < count:
+                messages.append(self._gather_message(k + 2, slices))
+            flight = self._launch(messages)
+            if k + 2 < count:
+                gathering[k + 2] = (flight, 1)
             if scattering is not None:
                 self.finish_scatter(*scattering, write)
             scattering = (k, flight)
-            gathering = following
         self.finish_scatter(*scattering, write)
+
+
