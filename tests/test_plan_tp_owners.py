@@ -51,6 +51,19 @@ def test_micro_group_rollback_closes_a_group() -> None:
     assert len(whole.groups) == 1
 
 
+def test_micro_groups_first_fit_fills_the_room_a_larger_matrix_left() -> None:
+    """Costliest first, 2 hosts, C_max 2 MiB: 1.5, 1.5, 1.25, 1.25 MiB and four of 0.5 MiB (full fp32 bytes).
+
+    Next fit closes group 0 at the first 1.25 (it would put 2.75 MiB on a host) and group 1 at the
+    third 0.5: three groups. First fit puts two 0.5 beside the 1.5s and two beside the 1.25s: two.
+    """
+    rows = [192, 192, 160, 160, 64, 64, 64, 64]  # local TP slices of 1024 columns: full = 2 x rows x 1024 x 4 bytes
+    specs = [ParamSpec(name=f"w{i}", shape=(r, 1024), matrix=True, tp_dim=0, tp_size=2) for i, r in enumerate(rows)]
+    plan = plan_tp_micro_groups(specs, tp_size=2, capacity_bytes=2 * MIB)
+    assert [g.params for g in plan.groups] == [(0, 1, 4, 5), (2, 3, 6, 7)]
+    assert [g.rank_bytes for g in plan.groups] == [(2 * MIB, 2 * MIB), (7 * MIB // 4, 7 * MIB // 4)]
+
+
 def test_micro_groups_are_deterministic_and_checked() -> None:
     specs = shard_for_tp(model_specs("qwen3-0.6b"), 2)
     assert plan_tp_micro_groups(specs, tp_size=2).digest() == plan_tp_micro_groups(specs, tp_size=2).digest()

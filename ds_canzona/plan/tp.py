@@ -168,15 +168,19 @@ def _plan(specs: tuple[ParamSpec, ...], tasks: list[int], task_cost: dict[int, f
     task_bytes = {index: _full_numel(specs[index]) * bytes_per_element for index in tasks}
     order = sorted(tasks, key=lambda index: (-task_cost[index], index))
 
-    groups: list[MicroGroup] = []
-    members: list[int] = []
+    # First fit, costliest first: a task goes into the first group it fits in (its hosts' gathered
+    # bytes within C_max), else opens a group. The paper's next fit closes a group at the first
+    # task that does not fit; first fit lets the smaller tasks that follow fill the room left, so
+    # fewer groups (each one launch on the TP group) hold the same tasks.
+    packed: list[list[int]] = []
     for index in order:
-        if members and _lpt(members + [index], task_cost, task_bytes, tp_size)[2] > capacity_bytes:
-            groups.append(_group(len(groups), members, task_cost, task_bytes, tp_size))
-            members = []
-        members.append(index)
-    if members:
-        groups.append(_group(len(groups), members, task_cost, task_bytes, tp_size))
+        for members in packed:
+            if _lpt(members + [index], task_cost, task_bytes, tp_size)[2] <= capacity_bytes:
+                members.append(index)
+                break
+        else:
+            packed.append([index])
+    groups = [_group(number, members, task_cost, task_bytes, tp_size) for number, members in enumerate(packed)]
     return TPPlan(
         tp_size=tp_size,
         capacity_bytes=capacity_bytes,
