@@ -44,7 +44,7 @@ ADAMUON = {"type": "AdaMuon", "params": {"lr": 0.003, "weight_decay": 0.01}}
 FED_STEPS = 3
 TRAIN_STEPS = 10
 TOLERANCE = 1e-4  # of each tensor's total update; see the module docstring
-SMALL_GROUPS = {"tp_micro_group_bytes": 20_000}  # several micro-groups per TP group (matrices are 9-15 KB)
+SMALL_GROUPS = {"tp_micro_group_bytes": 16_000}  # several micro-groups per TP group (matrices are 9-15 KB)
 
 
 def relative_distance(got: dict, ref: dict) -> dict[str, float]:
