@@ -22,7 +22,8 @@ import json
 
 import pytest
 
-from ds_canzona.plan import cost_model, lpt_loads, model_specs, plan_buckets, plan_dp_partitions, specs_from_hf_config
+from ds_canzona.plan import (ParamSpec, cost_model, lpt_loads, model_specs, plan_buckets, plan_dp_partitions,
+                              specs_from_hf_config)
 from ds_canzona.plan._memory_fit import MAKESPAN_OVER_COST_ONLY
 from ds_canzona.plan.dp import alpha_balanced
 
@@ -119,3 +120,63 @@ def test_llama3_8b_at_dp128_standard_memory_target_needs_time_above_the_cost_onl
     assert rest / others / average == pytest.approx(1.332, abs=5e-4)
     assert ceiling < max(plan.rank_costs()) <= (1 + MAKESPAN_OVER_COST_ONLY) * ceiling * (1 + 1e-9)
     assert max(plan.rank_memory()) <= 1.25 * average
+
+
+# ---------------------------------------------------- shapes the grid above does not hold (issue 32 item 4)
+
+def _moe_specs(*, layers: int, hidden: int, inter: int, experts: int, vocab: int, heads: int, kv_heads: int,
+               head_dim: int) -> list[ParamSpec]:
+    """A MoE whose experts are separate 2-D matrices (one Linear per expert projection), untied head."""
+    specs = [ParamSpec(name="model.embed_tokens.weight", shape=(vocab, hidden), matrix=False)]
+    for layer in range(layers):
+        prefix = f"model.layers.{layer}"
+        specs += [ParamSpec(name=f"{prefix}.self_attn.q_proj.weight", shape=(heads * head_dim, hidden), matrix=True),
+                  ParamSpec(name=f"{prefix}.self_attn.k_proj.weight", shape=(kv_heads * head_dim, hidden), matrix=True),
+                  ParamSpec(name=f"{prefix}.self_attn.v_proj.weight", shape=(kv_heads * head_dim, hidden), matrix=True),
+                  ParamSpec(name=f"{prefix}.self_attn.o_proj.weight", shape=(hidden, heads * head_dim), matrix=True),
+                  ParamSpec(name=f"{prefix}.mlp.gate.weight", shape=(experts, hidden), matrix=True)]
+        for expert in range(experts):
+            specs += [ParamSpec(name=f"{prefix}.mlp.experts.{expert}.gate_proj.weight", shape=(inter, hidden), matrix=True),
+                      ParamSpec(name=f"{prefix}.mlp.experts.{expert}.up_proj.weight", shape=(inter, hidden), matrix=True),
+                      ParamSpec(name=f"{prefix}.mlp.experts.{expert}.down_proj.weight", shape=(hidden, inter), matrix=True)]
+        specs += [ParamSpec(name=f"{prefix}.input_layernorm.weight", shape=(hidden,), matrix=False),
+                  ParamSpec(name=f"{prefix}.post_attention_layernorm.weight", shape=(hidden,), matrix=False)]
+    specs.append(ParamSpec(name="model.norm.weight", shape=(hidden,), matrix=False))
+    specs.append(ParamSpec(name="lm_head.weight", shape=(vocab, hidden), matrix=False))
+    return specs
+
+
+def _qwen3_at(*, hidden: int, inter: int, layers: int, heads: int, kv_heads: int) -> list[ParamSpec]:
+    """The Qwen3 architecture at sizes no shipped config has (untied, 152k vocabulary)."""
+    from ds_canzona.plan import load_model_config, qwen3_specs
+
+    config = dict(load_model_config("qwen3-8b"))
+    config.update(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, head_dim=hidden // heads, tie_word_embeddings=False)
+    return qwen3_specs(config)
+
+
+UNSHIPPED = {
+    # Before: busiest memory 1.361x the average at DP=128 (target 1.25), every candidate at the
+    # budget pouring the embedding's and head's pieces onto too few ranks; the plan a hair above
+    # the budget held 1.10x and is now repaired down to it (CostRepair's swaps).
+    "moe-16-experts": lambda: _moe_specs(layers=24, hidden=2048, inter=768, experts=16, vocab=151936, heads=32,
+                                         kv_heads=4, head_dim=128),
+    # Before: busiest cost 1.0202x LPT at DP=64, the best candidate at 1.016x and MAKESPAN_TOLERANCE
+    # (0.5%) on top of it, past the 2% bound.
+    "qwen3-h5120-i13824-l40": lambda: _qwen3_at(hidden=5120, inter=13824, layers=40, heads=40, kv_heads=8),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNSHIPPED))
+def test_unshipped_shapes_meet_both_bounds_at_dp16_to_128(name):
+    """Busiest cost within 2% of LPT, busiest memory within max(1.25 x avg, 1.05 x largest item), DP 16-128."""
+    specs = UNSHIPPED[name]()
+    roofline = cost_model("roofline", "muon", machine_balance=150.0)  # `ds-canzona plan`'s default
+    for world in DP_SIZES:
+        plan = plan_dp_partitions(specs, world_size=world, bucket_numel=BUCKET, cost=roofline, split_numel=2**22)
+        lpt = max(lpt_loads(plan.costs, world))
+        assert max(plan.rank_costs()) <= 1.02 * lpt, (name, world, max(plan.rank_costs()) / lpt)
+        average = sum(plan.memory) / world
+        target = max(1.25 * average, 1.05 * max(plan.memory))
+        assert max(plan.rank_memory()) <= target, (name, world, plan.state_bytes_ratio)

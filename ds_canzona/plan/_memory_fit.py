@@ -2,8 +2,9 @@
 
 The objective is lexicographic. First the busiest rank's cost (the step's makespan): the best of
 the cost portfolio in ``_packing``, of the "rocks and sand" packings below and, for one or two
-buckets, of the exact optimum (``_two_chains``), give or take ``MAKESPAN_TOLERANCE``, and never
-above the cost portfolio's own plan. Then, among plans that keep every rank's cost at or under
+buckets, of the exact optimum (``_two_chains``), give or take ``MAKESPAN_TOLERANCE`` (but never
+past ``MAKESPAN_OVER_LPT`` above LPT when the best is inside it), and never above the cost
+portfolio's own plan. Then, among plans that keep every rank's cost at or under
 that makespan C, the smallest busiest-rank memory (bytes of master, optimizer state and gradient
 segment, from a ``MemoryModel``). If that memory is above the target (``MEMORY_OVER_AVERAGE`` x
 the average, ``MEMORY_OVER_LARGEST`` x the largest item), C may rise to the least value that
@@ -39,7 +40,9 @@ target, the sand is poured again around the rocks as the search left them, and s
 Exchanges (``_free_chains``): the pieces of a tensor alone in its bucket are moved by counts, any
 number of them to any rank, against a run of items coming back the other way; where one exchange
 would only move the excess, two (an ejection). A plan a little above the makespan whose memory is
-good is repaired towards it by the same moves with memory held (:class:`CostRepair`).
+good is repaired towards it by the same moves with memory held (:class:`CostRepair`); where memory
+is off target at the budget, a plan a hair above the budget that is within target is repaired
+down to the budget, with swaps as well.
 
 Under ``alpha < 1`` (element caps per segment) the pouring is skipped: memory is improved by the
 local search alone, which respects the caps.
@@ -310,21 +313,27 @@ class CostRepair(ChainExchanges, LocalSearch):
     """Lower the busiest rank's cost, keeping every rank's memory within ``memory_capacity``.
 
     The memory search's dual, for a plan that holds memory well but sits a little above the
-    makespan: moves of one item within its window, and exchanges of free-chain pieces.
+    makespan: moves of one item within its window, and exchanges of free-chain pieces; with
+    ``swaps``, also swaps of two items (the cost search's, with memory held).
     """
 
     def __init__(self, problem: Problem, assignment: Assignment, memory: Sequence[float], memory_capacity: float,
-                 budget: int, chains: Sequence[tuple[int, int]]) -> None:
+                 budget: int, chains: Sequence[tuple[int, int]], swaps: bool = False) -> None:
         super().__init__(problem, assignment, budget)
         self.memory = memory
         self.memory_capacity = memory_capacity
+        # Swaps too (``_best_capped_swap``): only where memory is off target at the budget. At the
+        # makespan a repair that succeeds more often ends the search on the first plan within target,
+        # before the rocks placed for memory are tried, and those can hold less.
+        self.swaps = swaps
         self.memory_loads = LoadTree.from_loads(_loads(problem.world, assignment.owner, memory))
         self.track_chains(chains)
 
     def run_to(self, goal: float) -> None:
         while self.budget > 0 and self.state.loads.max_load() > goal:
             busiest = self.state.loads.busiest()
-            if not (self._best_capped_move(busiest) or self.best_exchange(busiest, COST, self.memory_capacity)):
+            if not (self._best_capped_move(busiest) or (self.swaps and self._best_capped_swap(busiest))
+                    or self.best_exchange(busiest, COST, self.memory_capacity)):
                 return
 
     def _best_capped_move(self, busiest: int) -> bool:
@@ -345,6 +354,44 @@ class CostRepair(ChainExchanges, LocalSearch):
             return False
         _, item, rank = best
         self._move(item, busiest, rank)
+        return True
+
+    def _best_capped_swap(self, busiest: int) -> bool:
+        # The cost search's swap, where neither rank's memory ends above the capacity.
+        loads, mem = self.state.loads.loads(), self.memory_loads.loads()
+        costs, memory, owner = self.problem.costs, self.memory, self.state.owner
+        top, busiest_memory = loads[busiest], mem[busiest]
+        best: tuple[float, int, int] | None = None
+        for item in self.on_rank[busiest]:
+            low, high = self._window(item)
+            for rank in range(low, high + 1):
+                gap = top - loads[rank]
+                if rank == busiest or gap <= 0.0:
+                    continue
+                self.budget -= len(self.on_rank[rank])
+                for other in self.on_rank[rank]:
+                    delta = costs[item] - costs[other]
+                    if not 0.0 < delta < gap:
+                        continue
+                    shift = memory[item] - memory[other]
+                    if mem[rank] + shift > self.memory_capacity or busiest_memory - shift > self.memory_capacity:
+                        continue
+                    peak = max(top - delta, loads[rank] + delta)
+                    if best is not None and (peak, item, other) >= best:
+                        continue
+                    owner[item], owner[other] = rank, busiest
+                    valid = self._monotone(item) and self._monotone(other) and self._swap_fits(item, other)
+                    owner[item], owner[other] = busiest, rank
+                    if valid:
+                        best = (peak, item, other)
+            if self.budget <= 0:
+                break
+        if best is None:
+            return False
+        _, item, other = best
+        rank = owner[other]
+        self._move(item, busiest, rank)
+        self._move(other, rank, busiest)
         return True
 
     def _move(self, param: int, source: int, target: int) -> None:
@@ -411,8 +458,12 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
     # module docstring and MAKESPAN_OVER_COST_ONLY).
     best_makespan = min(_max_load(world, owner, problem.costs) for owner in candidates)
     portfolio_makespan = _max_load(world, ceiling_owner, problem.costs)
-    makespan = min(portfolio_makespan, best_makespan * (1.0 + MAKESPAN_TOLERANCE))
     over_lpt = (1.0 + MAKESPAN_OVER_LPT) * lpt_makespan
+    # The tolerance never carries the plan past the LPT bound the best candidate is inside (a
+    # Qwen3-architecture model at hidden 5120 and DP=64: best 1.016x LPT, 1.0202x with the 0.5%).
+    # Divided by SAME_MAKESPAN: plans are accepted that far above a capacity.
+    makespan = min(portfolio_makespan, best_makespan * (1.0 + MAKESPAN_TOLERANCE),
+                   max(best_makespan, over_lpt / (1.0 + SAME_MAKESPAN)))
     strict_budget = min(portfolio_makespan, max(makespan, over_lpt))
     budget = min((1.0 + MAKESPAN_OVER_COST_ONLY) * portfolio_makespan, max(makespan, over_lpt))
     memory_target = max(MEMORY_OVER_AVERAGE * total_memory / world,
@@ -503,7 +554,19 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
             # Still off target: rocks placed at a slightly looser makespan, with the sand poured again
             # around them at the budget (see ``LOOSER_ROCKS``).
             for looser in LOOSER_ROCKS:
-                rocks_owner, _ = best_at(budget * (1.0 + looser))
+                rocks_owner, rocks_peak = best_at(budget * (1.0 + looser))
+                if rocks_peak <= memory_target:
+                    # Within the target a hair above the budget: moves, swaps and exchanges with every
+                    # rank's memory held under the target may bring it down to the budget (a 16-expert
+                    # MoE at DP=128: 1.36x the average at the budget, 1.10x at 0.1% above it and 1.021x
+                    # LPT; repaired to 1.0197x LPT at 1.14x). The pouring below cannot: it keeps the rocks.
+                    assignment = _assignment(problem, list(rocks_owner))
+                    repair = CostRepair(problem, assignment, memory, memory_target, budget=_memory_budget(problem),
+                                        chains=chains, swaps=True)
+                    repair.run_to(budget)
+                    if assignment.loads.max_load() <= budget * (1.0 + SAME_MAKESPAN):
+                        owner, peak = assignment.owner, repair.memory_loads.max_load()
+                        break
                 poured = _Pouring(problem, memory, sand, rocks_owner, rockless_only=True).fewest_memory(budget, memory_bound)
                 if poured is None:
                     continue
