@@ -124,13 +124,15 @@ def test_conv_filter_is_one_flattened_matrix():
         assert torch.equal(a.reshape(6, 27), b)
 
 
-def test_shampoo_and_soap_refuse_expert_stacks():
+def test_shampoo_and_soap_take_expert_stacks_per_expert():
+    # Their optimizers build on a stack and step it with one set of statistics per expert (the
+    # per-expert math, bit for bit and against float64: tests/test_optim_shampoo.py, test_optim_soap.py).
     stack = torch.nn.Parameter(torch.randn(4, 8, 6))
-    for cls in (Shampoo, SOAP):
-        with pytest.raises(ValueError, match="does not update 3-D tensors"):
-            cls([("experts", stack)])
-    with pytest.raises(ValueError, match="does not update 3-D tensors"):
-        rule_for_group({"kind": "soap"}).init_state(stack)
+    for cls, key in ((Shampoo, "left_stat.3.0.0"), (SOAP, "left_stat.3")):
+        optimizer = cls([("experts", stack)])
+        stack.grad = torch.randn(4, 8, 6)
+        optimizer.step()
+        assert key in optimizer.state[stack] and optimizer.state[stack][key].shape == (8, 8)
     Shampoo([("conv", torch.nn.Parameter(torch.randn(4, 2, 3, 3)))])  # 4-D: one matrix, accepted
     Muon([("experts", stack)])
 

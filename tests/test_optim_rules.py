@@ -40,15 +40,13 @@ GROUPS = {
     "adamuon_unsigned": {"kind": "adamuon", "sign_momentum": False, "lr_scaling": "original", "ns_method": "standard"},
 }
 MATRIX_SHAPES = [(12, 20), (12, 20), (20, 12), (7, 3, 2, 2), (12, 20)]
-STACK_SHAPES = [(3, 7, 5)]  # a 3-D stack of matrices (MoE experts): Muon and AdamW only
+STACK_SHAPES = [(3, 7, 5), (2, 10, 6)]  # 3-D stacks of matrices (MoE experts); Shampoo's blocks of 8 cut the second
 VECTOR_SHAPES = [(12,), (5,), (12,)]
 
 
 def shapes_for(group):
-    if group["kind"] in ("muon", "normuon", "adamuon"):
-        return MATRIX_SHAPES + STACK_SHAPES
     if group["kind"] in MATRIX_KINDS:
-        return MATRIX_SHAPES
+        return MATRIX_SHAPES + STACK_SHAPES
     return MATRIX_SHAPES + STACK_SHAPES + VECTOR_SHAPES
 
 

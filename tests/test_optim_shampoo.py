@@ -192,3 +192,75 @@ def test_non_finite_gradient_is_skipped():
 def test_bad_hyper_parameters_fail_at_construction(key, value, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         Shampoo([torch.nn.Parameter(torch.randn(4, 4))], **{key: value})
+
+
+# --------------------------------------------------------------------------- 3-D expert stacks
+
+# (stack shape, block, betas, epsilon): experts of CASES' blocked shapes, so each expert is cut into
+# blocks (12 x 20 in blocks of 8: 2 x 3 of them, the edge ones 4 wide) and conditioned like its 2-D case.
+STACK_CASES = [
+    ((3, 12, 20), 8, (0.9, 0.95), 1e-12),
+    ((3, 9, 9), 4, (0.9, 1.0), 1e-2),
+]
+STACK_GROUP = dict(weight_decay=0.1, precondition_frequency=2, start_preconditioning_step=3)
+
+
+def stack_grads(shape, dtype, steps):
+    return [torch.randn(shape, dtype=dtype) for _ in range(steps)]
+
+
+@pytest.mark.parametrize(("shape", "block", "betas", "epsilon"), STACK_CASES)
+@pytest.mark.parametrize(("dtype", "inverse_root"), [(torch.float32, "eigh"), (torch.float64, "eigh"),
+                                                     (torch.float32, "newton"), (torch.bfloat16, "eigh")])
+def test_each_expert_is_updated_bitwise_as_a_parameter_of_its_own(shape, block, betas, epsilon, dtype, inverse_root):
+    # Seven steps: AdamW alone, then the start step's roots, refreshes at steps 5 and 7.
+    torch.manual_seed(4)
+    w = torch.randn(shape, dtype=dtype)
+    grads = stack_grads(shape, dtype, 7)
+    group = dict(STACK_GROUP, betas=betas, epsilon=epsilon, max_preconditioner_dim=block, inverse_root=inverse_root)
+    stacked, stack_state = run_rule(group, w, grads, lr=0.01)
+    blocks_per_expert = len(rule_for_group({"kind": "shampoo", **group}).blocks(shape[1:]))
+    for e in range(shape[0]):
+        alone, state = run_rule(group, w[e], [g[e] for g in grads], lr=0.01)
+        for stack_param, param in zip(stacked, alone):
+            assert torch.equal(stack_param[e], param), e
+        for key, value in state.items():
+            if key == "step":
+                assert torch.equal(stack_state["step"], value)
+            elif key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(stack_state[key][e], value), (e, key)
+            else:  # "left_stat.i.j" of the expert alone is "left_stat.e.i.j" of the stack
+                name, suffix = key.split(".", 1)
+                assert torch.equal(stack_state[f"{name}.{e}.{suffix}"], value), (e, key)
+        assert len(state) == 3 + 4 * blocks_per_expert
+    assert len(stack_state) == 3 + 4 * blocks_per_expert * shape[0]
+
+
+@pytest.mark.parametrize(("shape", "block", "betas", "epsilon"), STACK_CASES)
+@pytest.mark.parametrize(("dtype", "root_dtype", "tolerance"), [
+    (torch.float32, "float32", FP32_VS_FP64),
+    (torch.float32, "float64", FP32_VS_FP64),
+    (torch.float64, "float64", 1e-10),
+])
+def test_expert_stack_matches_float64_reference_per_expert(shape, block, betas, epsilon, dtype, root_dtype, tolerance):
+    # The 2-D reference run on each expert's gradients, at the 2-D cases' tolerances (FP32_VS_FP64:
+    # the experts are matrices of those cases' shapes and conditioning, each preconditioned alone).
+    torch.manual_seed(0)
+    w = torch.randn(shape, dtype=dtype)
+    grads = stack_grads(shape, dtype, 8)
+    group = dict(STACK_GROUP, betas=betas, epsilon=epsilon, max_preconditioner_dim=block, root_dtype=root_dtype)
+    ours, _ = run_rule(group, w, grads, lr=0.01)
+    for e in range(shape[0]):
+        directions = reference_directions([g[e] for g in grads], betas=betas, epsilon=epsilon, frequency=2, start=3,
+                                          block=block, graft_beta2=0.999, graft_eps=1e-8)
+        assert_steps_match(w[e], [o[e] for o in ours], directions, lr=0.01, weight_decay=0.1, tolerance=tolerance)
+
+
+def test_expert_stack_state_keys_name_the_expert():
+    rule = rule_for_group({"kind": "shampoo", "max_preconditioner_dim": 8})
+    state = rule.init_state(torch.zeros(3, 12, 20))
+    assert state["left_stat.2.1.2"].shape == (4, 4) and state["right_root.0.0.1"].shape == (8, 8)
+    assert len([k for k in state if k.startswith("left_stat.")]) == 3 * 6
+    # No key of a 2-D tensor's form ("left_stat.i.j"): a stack's keys never collide with them.
+    assert all(k.count(".") == 3 for k in state if "_" in k and k not in ("exp_avg", "exp_avg_sq"))
+    assert state["exp_avg"].shape == state["exp_avg_sq"].shape == (3, 12, 20)

@@ -168,3 +168,65 @@ def test_non_finite_gradient_is_skipped():
 def test_bad_hyper_parameters_fail_at_construction(key, value, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         SOAP([torch.nn.Parameter(torch.randn(4, 4))], **{key: value})
+
+
+# --------------------------------------------------------------------------- 3-D expert stacks
+
+# (stack shape, max_precond_dim): experts of CASES' shapes, one with both sides rotated and two
+# with the long side (20 > 10) left unrotated, so each expert's rotated sides follow its own shape.
+STACK_CASES = [
+    ((3, 8, 8), 10000),
+    ((3, 6, 20), 10),
+    ((3, 20, 6), 10),
+]
+STACK_GROUP = dict(betas=(0.9, 0.95), shampoo_beta=0.9, eps=1e-8, weight_decay=0.01, precondition_frequency=3)
+
+
+@pytest.mark.parametrize(("shape", "max_dim"), STACK_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_each_expert_is_updated_bitwise_as_a_parameter_of_its_own(shape, max_dim, dtype):
+    # Seven calls: the first builds the bases, refreshes after Adam steps 3 and 6.
+    torch.manual_seed(4)
+    w = torch.randn(shape, dtype=dtype)
+    grads = [torch.randn(shape, dtype=dtype) for _ in range(7)]
+    group = dict(STACK_GROUP, max_precond_dim=max_dim)
+    stacked, stack_state = run_rule(group, w, grads, lr=0.01)
+    for e in range(shape[0]):
+        alone, state = run_rule(group, w[e], [g[e] for g in grads], lr=0.01)
+        for stack_param, param in zip(stacked, alone):
+            assert torch.equal(stack_param[e], param), e
+        for key, value in state.items():
+            if key == "step":
+                assert torch.equal(stack_state["step"], value)
+            elif key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(stack_state[key][e], value), (e, key)
+            else:  # "left_basis" of the expert alone is "left_basis.e" of the stack
+                assert torch.equal(stack_state[f"{key}.{e}"], value), (e, key)
+        assert len(stack_state) == 3 + (len(state) - 3) * shape[0]
+
+
+@pytest.mark.parametrize(("shape", "max_dim"), STACK_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_expert_stack_matches_float64_reference_per_expert(shape, max_dim, dtype):
+    # The 2-D reference run on each expert's gradients, at the 2-D cases' tolerance (FP32_VS_FP64:
+    # the experts are matrices of those cases' shapes, each with its own bases).
+    torch.manual_seed(0)
+    w = torch.randn(shape, dtype=dtype)
+    grads = [torch.randn(shape, dtype=dtype) for _ in range(9)]
+    ours, _ = run_rule(dict(STACK_GROUP, max_precond_dim=max_dim), w, grads, lr=0.01)
+    assert torch.equal(ours[0], w)  # the first call only builds the bases
+    tolerance = FP32_VS_FP64 if dtype == torch.float32 else 1e-10
+    for e in range(shape[0]):
+        directions = reference_directions([g[e] for g in grads], betas=(0.9, 0.95), shampoo_beta=0.9, eps=1e-8,
+                                          frequency=3, max_dim=max_dim)
+        for start, after, direction in zip(ours[:-1], ours[1:], directions[1:]):
+            start = start[e].double()
+            exact = start * (1 - 0.01 * 0.01) - 0.01 * direction - start
+            assert rel(after[e].double() - start, exact) < tolerance, e
+
+
+def test_expert_stack_state_keys_name_the_expert():
+    state = rule_for_group({"kind": "soap", "max_precond_dim": 8}).init_state(torch.zeros(3, 10, 7))
+    assert set(state) == {"step", "exp_avg", "exp_avg_sq"} | {f"{name}.{e}" for e in range(3)
+                                                             for name in ("right_stat", "right_basis")}
+    assert state["exp_avg_sq"].shape == (3, 10, 7) and state["right_basis.2"].shape == (7, 7)

@@ -127,8 +127,14 @@ def test_group_errors_name_the_problem():
         optimizer_from_config(FakeEngine(model, {"per_head_muon": True}, name="shampoo"), None)
     with pytest.raises(CanzonaConfigError, match="tagged no parameter"):
         optimizer_from_config(FakeEngine(make_moe_model(), {"per_head_muon": True}), None)
-    with pytest.raises(CanzonaConfigError, match=r"experts_up.*does not update 3-D tensors"):
-        optimizer_from_config(FakeEngine(model, {}, name="shampoo"), None)
+
+
+def test_shampoo_and_soap_take_expert_stacks_as_matrices():
+    # A 3-D expert stack is a matrix for every matrix kind (each expert its own preconditioner).
+    for name in ("shampoo", "soap"):
+        optimizer = optimizer_from_config(FakeEngine(make_moe_model(), {}, name=name), None)
+        kinds = {n: g["kind"] for g in optimizer.param_groups for n in g["param_names"]}
+        assert kinds["experts_up"] == kinds["experts_down"] == name
 
 
 def test_per_head_muon_takes_deepspeeds_head_tags():

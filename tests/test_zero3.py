@@ -29,7 +29,7 @@ import torch
 from distributed import run_ranks
 from grad_reference import UNDERFLOW, UNIT_ROUNDOFF, Replay, merged_grads, rank_gradients, whole_grads
 from test_zero_stage12 import PIECE, assert_params_equal
-from tiny_model import make_model
+from tiny_model import make_model, make_moe_model
 from zero3_workers import FROZEN_SAVE_STEPS, make_wide_model, train_runs
 from zero_workers import make_config
 
@@ -43,7 +43,7 @@ OPTIMIZERS = {
     "adamuon": {"type": "AdaMuon", "params": {"lr": 0.003, "weight_decay": 0.01}},
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-MODEL_FACTORIES = {"tiny": make_model, "wide": make_wide_model}
+MODEL_FACTORIES = {"tiny": make_model, "wide": make_wide_model, "moe": make_moe_model}
 # The wide model's largest matrices (1536 elements) exceed this.
 SMALL_BUCKET = 1000
 
@@ -56,6 +56,9 @@ CASES = {
         "shampoo_bf16_ga3": ("shampoo", 3, "bf16", "tiny", False, False),
         "soap_fp32_ga1": ("soap", 1, "fp32", "tiny", False, False),
         "normuon_fp32_ga1": ("normuon", 1, "fp32", "tiny", False, False),
+        # Shampoo and SOAP on the model with 3-D expert stacks: per-expert statistics, owned whole.
+        "shampoo_fp32_ga1_moe": ("shampoo", 1, "fp32", "moe", False, False),
+        "soap_fp32_ga1_moe": ("soap", 1, "fp32", "moe", False, False),
     },
     3: {
         "muon_fp32_ga3": ("muon", 3, "fp32", "tiny", False, False),

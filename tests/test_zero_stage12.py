@@ -182,6 +182,20 @@ def test_shampoo_and_soap_are_bitwise_the_single_process_step(runs, kind):
     assert_params_equal(results_by_stage[1][0]["params"], results_by_stage[2][0]["params"])
 
 
+def test_shampoo_and_soap_on_expert_stacks_are_bitwise_the_single_process_step():
+    """The model with two 3-D expert stacks, DP=2, stages 1 and 2: each expert its own statistics (one spawn)."""
+    from tiny_model import make_moe_model
+
+    kinds = [(kind, stage) for kind in ("shampoo", "soap") for stage in (1, 2)]
+    configs = [make_config(2, stage=stage, optimizer=OPTIMIZERS[kind]) for kind, stage in kinds]
+    results = run_ranks(train_many, 2, configs, STEPS, "moe", timeout=600)
+    for index, (kind, stage) in enumerate(kinds):
+        ranked = [r[index] for r in results]
+        replay = single_process_replay(OPTIMIZERS[kind], merged_grads(ranked), clip=1.0, model_factory=make_moe_model)
+        assert_params_equal(ranked[0]["params"], replay)
+        assert ranked[0]["params"]["experts_up"].dim() == 3
+
+
 @pytest.mark.parametrize("world_size", MUON_FAMILY_WORLD_SIZES)
 @pytest.mark.parametrize("kind", ["normuon", "adamuon", "adamuon_original"])
 def test_normuon_and_adamuon_are_bitwise_the_single_process_step(runs, kind, world_size):

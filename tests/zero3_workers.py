@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tiny_model import CheckpointedLM, LoRALinear, TinyLM, batches, make_model
+from tiny_model import CheckpointedLM, LoRALinear, TinyLM, batches, make_model, make_moe_model
 from zero_workers import CollectiveLog, init_engine
 
 
@@ -21,7 +21,7 @@ def make_wide_model(seed: int = 0) -> WideLM:
     return WideLM()
 
 
-MODELS = {"tiny": make_model, "wide": make_wide_model}
+MODELS = {"tiny": make_model, "wide": make_wide_model, "moe": make_moe_model}
 
 
 def build_model(name: str, config: dict, zero_init: bool):

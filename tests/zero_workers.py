@@ -7,7 +7,7 @@ from collections import Counter
 
 import torch
 
-from tiny_model import batches, make_checkpointed_model, make_hf_model, make_model, uses_branch
+from tiny_model import batches, make_checkpointed_model, make_hf_model, make_model, make_moe_model, uses_branch
 
 BASE_CONFIG = {
     "train_micro_batch_size_per_gpu": 2,
@@ -137,9 +137,9 @@ def train(rank: int, world_size: int, config: dict, steps: int, *, capture_grads
     }
 
 
-def train_many(rank: int, world_size: int, configs: list[dict], steps: int) -> list[dict]:
+def train_many(rank: int, world_size: int, configs: list[dict], steps: int, model_name: str = "tiny") -> list[dict]:
     """``train`` for each config in turn, in one spawn (one engine after another on the same ranks)."""
-    return [train(rank, world_size, config, steps) for config in configs]
+    return [train(rank, world_size, config, steps, model_name=model_name) for config in configs]
 
 
 def _poison(grad: torch.Tensor) -> torch.Tensor:
@@ -345,7 +345,8 @@ class _ThreeTensorLM(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.reshape(-1, 61), tokens[:, 1:].reshape(-1))
 
 
-MODELS = {"tiny": make_model, "three": _ThreeTensorLM, "checkpointed": make_checkpointed_model, "hf": make_hf_model}
+MODELS = {"tiny": make_model, "three": _ThreeTensorLM, "checkpointed": make_checkpointed_model, "hf": make_hf_model,
+          "moe": make_moe_model}
 
 
 def allocated_state_bytes(rank: int, world_size: int, scenarios: list[dict]) -> list[dict]:

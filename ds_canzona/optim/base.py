@@ -210,13 +210,31 @@ def require_matrix(kind: str, param: Tensor) -> None:
                          "give 1-D tensors to 'adamw' (the single-process optimizers do so by the matrix rule)")
 
 
-def refuse_expert_stack(kind: str, shape: Sequence[int]) -> None:
-    """Shampoo and SOAP do not take 3-D tensors (see docs/OPTIMIZERS.md, "Tensors of more than 2 dims")."""
-    if len(shape) == 3:
-        raise ValueError(f"The {kind} rule does not update 3-D tensors (shape {tuple(shape)}): a 3-D tensor is a "
-                         "stack of matrices (MoE experts), which would need one set of statistics per matrix; "
-                         "give it to 'muon' (each matrix orthogonalised on its own) or to 'adamw', or store the "
-                         "experts as separate 2-D parameters")
+def matrix_views(t: Tensor) -> list[Tensor]:
+    """The matrices of ``t`` (``matrix_stack_shape``) as 2-D views that share its memory.
+
+    Each expert ``t[e]`` of a 3-D stack; the one ``as_matrix(t)`` otherwise (a view when ``t`` is
+    contiguous or 2-D: callers that write through it allocate ``t`` contiguous).
+    """
+    if t.dim() == 3:
+        return list(t.unbind(0))
+    return [as_matrix(t)]
+
+
+def expert_tags(shape: Sequence[int]) -> list[str | None]:
+    """The name of each matrix of ``shape`` in the state keys of per-matrix state (Shampoo, SOAP).
+
+    None for the one matrix of a 2-D or >= 4-D tensor, whose keys stay those checkpoints have
+    always had (``left_stat.0.1``, ``left_basis``); ``"e"`` for expert e of a 3-D stack, which
+    ``state_key`` puts right after the key's name (``left_stat.e.0.1``, ``left_basis.e``).
+    """
+    count, _, _ = matrix_stack_shape(shape)
+    return [str(e) for e in range(count)] if len(shape) == 3 else [None]
+
+
+def state_key(*parts: str | None) -> str:
+    """The parts joined by dots, None left out (``state_key("left_stat", None) == "left_stat"``)."""
+    return ".".join(part for part in parts if part is not None)
 
 
 def check_update_args(params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]]) -> None:

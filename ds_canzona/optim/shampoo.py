@@ -1,6 +1,7 @@
 """Shampoo's per-tensor rule: Kronecker-factored preconditioning grafted onto AdamW's step size.
 
-A tensor is viewed as a rows x cols matrix and cut into blocks of at most
+A tensor is viewed as a rows x cols matrix (a 3-D stack ``[experts, rows, cols]`` as one such
+matrix per expert, see "Expert stacks" below) and cut into blocks of at most
 ``max_preconditioner_dim`` along each side; every block b keeps its own statistics
 
     L_b <- beta2 * L_b + (1 - beta2) * G_b G_b^T        R_b <- beta2 * R_b + (1 - beta2) * G_b^T G_b
@@ -29,6 +30,14 @@ decomposition runs in float64 from the start, and a float64 failure there is ret
 On the CPU a float32 failure (LAPACK did not converge) is retried in float64. When every attempt
 fails, the statistic keeps its root and a warning says so. Healthy CPU inputs take exactly the
 path they always did.
+
+Expert stacks. Each expert e of a 3-D tensor ``[experts, rows, cols]`` (a fused MoE stack,
+``base.matrix_stack_shape``) is blocked, preconditioned and grafted exactly as a 2-D tensor of its
+shape, with its own statistics and roots (state keys ``left_stat.e.i.j``; a 2-D tensor's stay
+``left_stat.i.j``); AdamW's moments and ``step`` are the stack's, elementwise, so each expert's
+update is bit for bit the one it would get as a parameter of its own. What stays per tensor: one
+host read for the refresh guard of all its statistics, and the non-finite skip (a NaN in one
+expert's gradient skips the whole stack's step, as for any tensor).
 """
 
 from __future__ import annotations
@@ -46,14 +55,14 @@ from ds_canzona import kernels
 from ds_canzona.optim.adamw import adam_direction_
 from ds_canzona.optim.base import (
     RuleBase,
-    as_matrix,
     check_betas,
     check_choice,
     check_float,
     check_int,
-    matrix_shape,
+    expert_tags,
+    matrix_stack_shape,
+    matrix_views,
     new_step,
-    refuse_expert_stack,
     register_rule,
     require_matrix,
     state_dtype,
@@ -182,18 +191,21 @@ class ShampooRule(RuleBase):
         check_float(kind, "graft_beta2", self.graft_beta2, low=0.0, high=1.0, high_open=True)
         check_float(kind, "graft_eps", self.graft_eps, low=0.0)
 
-    def blocks(self, shape: tuple[int, ...]) -> list[tuple[str, slice, slice]]:
-        """(suffix, row slice, col slice) of every block of the 2-D view, row-major."""
-        rows, cols = matrix_shape(shape)
-        out = []
-        for i, (r0, r1) in enumerate(block_bounds(rows, self.max_preconditioner_dim)):
-            for j, (c0, c1) in enumerate(block_bounds(cols, self.max_preconditioner_dim)):
-                out.append((f"{i}.{j}", slice(r0, r1), slice(c0, c1)))
-        return out
+    def blocks(self, shape: tuple[int, ...]) -> list[tuple[str, int, slice, slice]]:
+        """(suffix, matrix, row slice, col slice) of every block, matrix by matrix, each row-major.
 
-    def check_shape(self, shape: tuple[int, ...]) -> None:
-        super().check_shape(shape)
-        refuse_expert_stack(self.kind, shape)
+        The matrices are ``matrix_stack_shape``'s: each expert of a 3-D stack is blocked on its own
+        exactly as a 2-D tensor of its shape, and its suffixes name it first (``"e.i.j"``); the one
+        matrix of any other tensor keeps the suffixes ``"i.j"`` its checkpoints hold.
+        """
+        _, rows, cols = matrix_stack_shape(shape)
+        out = []
+        for matrix, tag in enumerate(expert_tags(shape)):
+            prefix = "" if tag is None else f"{tag}."
+            for i, (r0, r1) in enumerate(block_bounds(rows, self.max_preconditioner_dim)):
+                for j, (c0, c1) in enumerate(block_bounds(cols, self.max_preconditioner_dim)):
+                    out.append((f"{prefix}{i}.{j}", matrix, slice(r0, r1), slice(c0, c1)))
+        return out
 
     def init_state(self, param: Tensor) -> dict[str, Tensor]:
         require_matrix(self.kind, param)
@@ -204,7 +216,7 @@ class ShampooRule(RuleBase):
             "exp_avg": torch.zeros_like(param, dtype=dtype),
             "exp_avg_sq": torch.zeros_like(param, dtype=dtype),
         }
-        for suffix, rows, cols in self.blocks(tuple(param.shape)):
+        for suffix, _, rows, cols in self.blocks(tuple(param.shape)):
             n_rows, n_cols = rows.stop - rows.start, cols.stop - cols.start
             eye = lambda n: torch.eye(n, dtype=dtype, device=param.device)  # noqa: E731
             state[f"left_stat.{suffix}"] = torch.zeros(n_rows, n_rows, dtype=dtype, device=param.device)
@@ -259,22 +271,24 @@ class ShampooRule(RuleBase):
                                self.graft_eps)
         momentum = state["exp_avg"] / (1.0 - self.betas[0]**step)  # Shampoo preconditions m_hat
 
-        g2d, m2d, a2d = as_matrix(grad), as_matrix(momentum), as_matrix(adam)
+        # Per matrix (each expert of a 3-D stack, else the tensor's one matrix), per block.
+        grads, moments, grafts = matrix_views(grad), matrix_views(momentum), matrix_views(adam)
         blocks = self.blocks(tuple(param.shape))
-        for suffix, rows, cols in blocks:
-            g_block = g2d[rows, cols].contiguous()
+        for suffix, matrix, rows, cols in blocks:
+            g_block = grads[matrix][rows, cols].contiguous()
             self._accumulate_(state[f"left_stat.{suffix}"], g_block)
             self._accumulate_(state[f"right_stat.{suffix}"], g_block.mT.contiguous())
         if refresh:
-            self._refresh_roots_(state, [suffix for suffix, _, _ in blocks])
-        direction = a2d
+            self._refresh_roots_(state, [suffix for suffix, _, _, _ in blocks])
+        direction = adam
         if step >= start:
-            direction = torch.empty_like(a2d)
-            for suffix, rows, cols in blocks:
-                shampoo = state[f"left_root.{suffix}"] @ m2d[rows, cols] @ state[f"right_root.{suffix}"]
-                graft = a2d[rows, cols].norm() / shampoo.norm().clamp_min(torch.finfo(shampoo.dtype).tiny)
-                direction[rows, cols] = shampoo * graft
+            # Contiguous, so that its matrix views are views and the writes below land in it.
+            direction = torch.empty(param.shape, dtype=adam.dtype, device=adam.device)
+            targets = matrix_views(direction)
+            for suffix, matrix, rows, cols in blocks:
+                shampoo = state[f"left_root.{suffix}"] @ moments[matrix][rows, cols] @ state[f"right_root.{suffix}"]
+                graft = grafts[matrix][rows, cols].norm() / shampoo.norm().clamp_min(torch.finfo(shampoo.dtype).tiny)
+                targets[matrix][rows, cols] = shampoo * graft
         if self.weight_decay != 0.0:
             param.mul_(1.0 - lr * self.weight_decay)
         param.add_(direction.reshape(param.shape), alpha=-lr)
-

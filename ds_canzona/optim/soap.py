@@ -1,6 +1,7 @@
 """SOAP's per-tensor rule: Adam run in the eigenbasis of Shampoo's statistics.
 
-A tensor is viewed as a rows x cols matrix G. Each side no longer than ``max_precond_dim`` keeps
+A tensor is viewed as a rows x cols matrix G (a 3-D stack as one G per expert, see "Expert
+stacks" below). Each side no longer than ``max_precond_dim`` keeps
 a statistic and an orthonormal basis (a longer side is left unrotated, its basis the identity):
 
     L <- beta * L + (1 - beta) G G^T,   R <- beta * R + (1 - beta) G^T G   (beta = shampoo_beta)
@@ -27,6 +28,13 @@ what LAPACK gives) and keeps its basis on a refresh (any basis is an eigenbasis 
 eigendecomposition runs in float64 on CUDA (cuSOLVER's float32 ``eigh`` has crashed on low-rank
 statistics, and the first call's statistic has rank at most min(rows, cols)), with the retries of
 ``shampoo.symmetric_eigh``; a statistic no attempt could decompose keeps its basis.
+
+Expert stacks. Each expert e of a 3-D tensor ``[experts, rows, cols]`` (a fused MoE stack,
+``base.matrix_stack_shape``) is its own G: its own statistics and bases (state keys
+``left_stat.e``, ``left_basis.e``; a 2-D tensor's stay ``left_stat``, ``left_basis``), sides rotated
+by its own shape, and its slice ``exp_avg_sq[e]`` of v (``[experts, rows, cols]``), so each
+expert's update is bit for bit the one it would get as a parameter of its own. What stays per
+tensor: ``step``, one host read for the guard of all its statistics, and the non-finite skip.
 """
 
 from __future__ import annotations
@@ -40,16 +48,17 @@ from torch import Tensor
 from ds_canzona import kernels
 from ds_canzona.optim.base import (
     RuleBase,
-    as_matrix,
     check_betas,
     check_float,
     check_int,
-    matrix_shape,
+    expert_tags,
+    matrix_stack_shape,
+    matrix_views,
     new_step,
-    refuse_expert_stack,
     register_rule,
     require_matrix,
     state_dtype,
+    state_key,
 )
 from ds_canzona.optim.shampoo import statistic_health, symmetric_eigh, warn_kept
 
@@ -105,28 +114,28 @@ class SOAPRule(RuleBase):
         check_int(kind, "max_precond_dim", self.max_precond_dim, low=1)
 
     def rotated_sides(self, shape: tuple[int, ...]) -> tuple[bool, bool]:
-        rows, cols = matrix_shape(shape)
+        """Whether each matrix of ``shape`` (each expert of a 3-D stack) rotates its (left, right) side."""
+        _, rows, cols = matrix_stack_shape(shape)
         return rows <= self.max_precond_dim, cols <= self.max_precond_dim
-
-    def check_shape(self, shape: tuple[int, ...]) -> None:
-        super().check_shape(shape)
-        refuse_expert_stack(self.kind, shape)
 
     def init_state(self, param: Tensor) -> dict[str, Tensor]:
         require_matrix(self.kind, param)
         self.check_shape(tuple(param.shape))
         dtype = state_dtype(param)
-        rows, cols = matrix_shape(param.shape)
+        count, rows, cols = matrix_stack_shape(param.shape)
+        # v lives in the rotated basis of each matrix: (rows, cols), or one per expert of a stack.
+        second_shape = (count, rows, cols) if param.dim() == 3 else (rows, cols)
         state = {
             "step": new_step(),
             "exp_avg": torch.zeros_like(param, dtype=dtype),
-            "exp_avg_sq": torch.zeros(rows, cols, dtype=dtype, device=param.device),
+            "exp_avg_sq": torch.zeros(second_shape, dtype=dtype, device=param.device),
         }
         left, right = self.rotated_sides(tuple(param.shape))
-        for side, size, used in (("left", rows, left), ("right", cols, right)):
-            if used:
-                state[f"{side}_stat"] = torch.zeros(size, size, dtype=dtype, device=param.device)
-                state[f"{side}_basis"] = torch.eye(size, dtype=dtype, device=param.device)
+        for tag in expert_tags(param.shape):
+            for side, size, used in (("left", rows, left), ("right", cols, right)):
+                if used:
+                    state[state_key(f"{side}_stat", tag)] = torch.zeros(size, size, dtype=dtype, device=param.device)
+                    state[state_key(f"{side}_basis", tag)] = torch.eye(size, dtype=dtype, device=param.device)
         return state
 
     def cost_options(self) -> dict[str, Any]:
@@ -135,61 +144,83 @@ class SOAPRule(RuleBase):
     # -- the update ---------------------------------------------------------------------------
 
     @staticmethod
-    def _rotate(x: Tensor, state: dict[str, Tensor]) -> Tensor:
-        if "left_basis" in state:
-            x = state["left_basis"].mT @ x
-        if "right_basis" in state:
-            x = x @ state["right_basis"]
+    def _matrices(state: dict[str, Tensor], shape: tuple[int, ...]) -> list[dict[str, Tensor]]:
+        """Per matrix of ``shape``, its statistics and bases by side ("left_stat", ...; a side left
+        unrotated is absent), and its second moment ``exp_avg_sq`` (a view of the tensor's)."""
+        out = []
+        for tag, second in zip(expert_tags(shape), matrix_views(state["exp_avg_sq"])):
+            matrix = {"exp_avg_sq": second}
+            for name in ("left_stat", "left_basis", "right_stat", "right_basis"):
+                if state_key(name, tag) in state:
+                    matrix[name] = state[state_key(name, tag)]
+            out.append(matrix)
+        return out
+
+    @staticmethod
+    def _rotate(x: Tensor, matrix: dict[str, Tensor]) -> Tensor:
+        if "left_basis" in matrix:
+            x = matrix["left_basis"].mT @ x
+        if "right_basis" in matrix:
+            x = x @ matrix["right_basis"]
         return x
 
     @staticmethod
-    def _unrotate(y: Tensor, state: dict[str, Tensor]) -> Tensor:
-        if "left_basis" in state:
-            y = state["left_basis"] @ y
-        if "right_basis" in state:
-            y = y @ state["right_basis"].mT
+    def _unrotate(y: Tensor, matrix: dict[str, Tensor]) -> Tensor:
+        if "left_basis" in matrix:
+            y = matrix["left_basis"] @ y
+        if "right_basis" in matrix:
+            y = y @ matrix["right_basis"].mT
         return y
 
-    def _accumulate_(self, g: Tensor, state: dict[str, Tensor]) -> None:
+    def _accumulate_(self, g: Tensor, matrix: dict[str, Tensor]) -> None:
         assert self.shampoo_beta is not None  # resolved in __post_init__
-        if "left_stat" in state:
-            kernels.sym_stat_update_(state["left_stat"], g, self.shampoo_beta)
-        if "right_stat" in state:
-            kernels.sym_stat_update_(state["right_stat"], g.mT.contiguous(), self.shampoo_beta)
+        if "left_stat" in matrix:
+            kernels.sym_stat_update_(matrix["left_stat"], g, self.shampoo_beta)
+        if "right_stat" in matrix:
+            kernels.sym_stat_update_(matrix["right_stat"], g.mT.contiguous(), self.shampoo_beta)
 
     def _update_one(self, param: Tensor, grad: Tensor, state: dict[str, Tensor], lr: float) -> None:
         state["step"] += 1
         calls = int(state["step"].item())
-        g = as_matrix(grad).contiguous()
+        matrices = self._matrices(state, tuple(param.shape))
+        grads = [g.contiguous() for g in matrix_views(grad)]
         if calls == 1:
-            self._accumulate_(g, state)
-            self._first_bases_(state)
+            for g, matrix in zip(grads, matrices):
+                self._accumulate_(g, matrix)
+            self._first_bases_(matrices)
             return
 
         k = calls - 1  # Adam's own step count: the first call did not step
         beta1, beta2 = self.betas
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg = state["exp_avg"]
         exp_avg.lerp_(grad, 1.0 - beta1)
-        exp_avg_sq.lerp_(self._rotate(g, state).square(), 1.0 - beta2)
-        first = self._rotate(as_matrix(exp_avg), state) / (1.0 - beta1**k)
-        second = exp_avg_sq / (1.0 - beta2**k)
-        direction = self._unrotate(first / (second.sqrt() + self.eps), state)
+        directions = []
+        for g, m, matrix in zip(grads, matrix_views(exp_avg), matrices):
+            exp_avg_sq = matrix["exp_avg_sq"]
+            exp_avg_sq.lerp_(self._rotate(g, matrix).square(), 1.0 - beta2)
+            first = self._rotate(m, matrix) / (1.0 - beta1**k)
+            second = exp_avg_sq / (1.0 - beta2**k)
+            directions.append(self._unrotate(first / (second.sqrt() + self.eps), matrix))
+        direction = directions[0] if len(directions) == 1 else torch.stack(directions)
         if self.weight_decay != 0.0:
             param.mul_(1.0 - lr * self.weight_decay)
         param.add_(direction.reshape(param.shape), alpha=-lr)
 
-        self._accumulate_(g, state)
+        for g, matrix in zip(grads, matrices):
+            self._accumulate_(g, matrix)
         if k % self.precondition_frequency == 0:
-            self._refresh_bases_(state)
+            self._refresh_bases_(matrices)
 
-    def _sides(self, state: dict[str, Tensor]) -> list[str]:
-        return [side for side in ("left", "right") if f"{side}_stat" in state]
+    @staticmethod
+    def _sides(matrices: list[dict[str, Tensor]]) -> list[tuple[dict[str, Tensor], str]]:
+        """(matrix, side) of every rotated side of every matrix of one tensor."""
+        return [(matrix, side) for matrix in matrices for side in ("left", "right") if f"{side}_stat" in matrix]
 
-    def _first_bases_(self, state: dict[str, Tensor]) -> None:
+    def _first_bases_(self, matrices: list[dict[str, Tensor]]) -> None:
         """The first bases: eigenvectors of each statistic, guarded (module docstring)."""
-        sides = self._sides(state)
-        for side, health in zip(sides, statistic_health([state[f"{side}_stat"] for side in sides])):
-            stat, basis = state[f"{side}_stat"], state[f"{side}_basis"]
+        sides = self._sides(matrices)
+        for (matrix, side), health in zip(sides, statistic_health([m[f"{side}_stat"] for m, side in sides])):
+            stat, basis = matrix[f"{side}_stat"], matrix[f"{side}_basis"]
             if health == "non-finite":
                 warn_kept(self.kind, "basis", tuple(stat.shape), "is not finite")
             elif health == "zero":
@@ -200,16 +231,16 @@ class SOAPRule(RuleBase):
                 except torch.linalg.LinAlgError as err:
                     warn_kept(self.kind, "basis", tuple(stat.shape), f"could not be decomposed ({err})")
 
-    def _refresh_bases_(self, state: dict[str, Tensor]) -> None:
+    def _refresh_bases_(self, matrices: list[dict[str, Tensor]]) -> None:
         """One power-iteration step per basis, v permuted alike; a non-finite or zero statistic keeps its basis."""
-        exp_avg_sq = state["exp_avg_sq"]
-        sides = self._sides(state)
-        for side, health in zip(sides, statistic_health([state[f"{side}_stat"] for side in sides])):
+        sides = self._sides(matrices)
+        for (matrix, side), health in zip(sides, statistic_health([m[f"{side}_stat"] for m, side in sides])):
             if health == "non-finite":
-                warn_kept(self.kind, "basis", tuple(state[f"{side}_stat"].shape), "is not finite")
+                warn_kept(self.kind, "basis", tuple(matrix[f"{side}_stat"].shape), "is not finite")
                 continue
             if health == "zero":
                 continue
-            basis, order = refresh_basis(state[f"{side}_stat"], state[f"{side}_basis"])
-            state[f"{side}_basis"].copy_(basis)
+            exp_avg_sq = matrix["exp_avg_sq"]
+            basis, order = refresh_basis(matrix[f"{side}_stat"], matrix[f"{side}_basis"])
+            matrix[f"{side}_basis"].copy_(basis)
             exp_avg_sq.copy_(exp_avg_sq[order, :] if side == "left" else exp_avg_sq[:, order])
