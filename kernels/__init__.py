@@ -63,8 +63,9 @@ from ds_canzona.kernels.shampoo import (
 from ds_canzona.kernels.shampoo import _inverse_root
 from ds_canzona.kernels.shampoo import coupled_newton_step as _coupled_newton_step_triton
 from ds_canzona.kernels.shampoo import sym_stat_update_ as _sym_stat_update_triton
-from ds_canzona.kernels.syrk import syrk_kernel, syrk_reference
+from ds_canzona.kernels.syrk import has_c_term, syrk_kernel, syrk_reference
 from ds_canzona.kernels.syrk import syrk as _syrk_triton
+from ds_canzona.kernels.validation import Thunks
 
 __all__ = [
     "TRITON_AVAILABLE",
@@ -93,9 +94,11 @@ def xxt_reference(x: torch.Tensor) -> torch.Tensor:
     return syrk_reference(x)
 
 
-# Each public function hands the dispatch three thunks on its own arguments: the Triton wrapper,
-# the torch reference, and the reference on float64 copies (the first-use check's oracle), plus
-# the arguments it updates in place. The wrappers are looked up by name at call time.
+# Each public function hands the dispatch its tensor arguments by name and a function binding them
+# to three thunks (``Thunks``): the Triton wrapper, the torch reference, and the reference on
+# float64 copies (the first-use check's oracle), plus the arguments it updates in place. The check
+# binds the same function to a slice of the arguments when the call is large. The wrappers are
+# looked up by name at call time.
 
 
 def xxt(x: torch.Tensor, *, out: torch.Tensor | None = None, config: TileConfig | None = None) -> torch.Tensor:
@@ -104,14 +107,17 @@ def xxt(x: torch.Tensor, *, out: torch.Tensor | None = None, config: TileConfig 
     The kernel computes the upper tiles only and mirrors them (fp32 accumulation); the result is
     exactly symmetric on both paths.
     """
-    return _dispatch.run(
-        "xxt", syrk_kernel, (x,) if out is None else (x, out),
-        triton=lambda: _syrk_triton(x, out=out, config=config),
-        reference=lambda: syrk_reference(x, out=out),
-        oracle=lambda: syrk_reference(x.double()),
-        writes=() if out is None else (out,),
-        square=x.shape[-2] if x.ndim >= 2 else None, config=config,
-    )
+
+    def bind(x: torch.Tensor, out: torch.Tensor | None) -> Thunks:
+        return Thunks(
+            triton=lambda: _syrk_triton(x, out=out, config=config),
+            reference=lambda: syrk_reference(x, out=out),
+            oracle=lambda: syrk_reference(x.double()),
+            writes=() if out is None else (out,),
+        )
+
+    return _dispatch.run("xxt", syrk_kernel, {"x": x, "out": out}, bind,
+                         square=x.shape[-2] if x.ndim >= 2 else None, config=config)
 
 
 def sym_matmul(
@@ -129,14 +135,18 @@ def sym_matmul(
     For symmetric commuting ``a`` and ``b`` (polynomials in one matrix) this is ``alpha a b + beta c``.
     Only the upper tiles are computed; ``c`` is read on and above the diagonal; ``out`` may be ``c``.
     """
-    return _dispatch.run(
-        "sym_matmul", syrk_kernel, [t for t in (a, b, c, out) if t is not None],
-        triton=lambda: _syrk_triton(a, b, alpha=alpha, beta=beta, c=c, out=out, config=config),
-        reference=lambda: syrk_reference(a, b, alpha=alpha, beta=beta, c=c, out=out),
-        oracle=lambda: syrk_reference(a.double(), b.double(), alpha=alpha, beta=beta,
-                                      c=None if c is None else c.double()),
-        writes=() if out is None else (out,), config=config,
-    )
+
+    def bind(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None, out: torch.Tensor | None) -> Thunks:
+        return Thunks(
+            triton=lambda: _syrk_triton(a, b, alpha=alpha, beta=beta, c=c, out=out, config=config),
+            reference=lambda: syrk_reference(a, b, alpha=alpha, beta=beta, c=c, out=out),
+            oracle=lambda: syrk_reference(a.double(), b.double(), alpha=alpha, beta=beta,
+                                          c=None if c is None else c.double()),
+            writes=() if out is None else (out,),
+        )
+
+    return _dispatch.run("sym_matmul", syrk_kernel, {"a": a, "b": b, "c": c, "out": out}, bind,
+                         config=config, constexprs=(("HAS_C", has_c_term(c, beta)),))
 
 
 def ns_step(
@@ -153,17 +163,21 @@ def ns_step(
     ``x`` (..., m, n); returns a new contiguous tensor of x's shape and dtype (or ``out``).
     """
 
-    def reference() -> torch.Tensor:
-        res = ns_step_reference(x, a, b, c)
-        return res if out is None else out.copy_(res)
+    def bind(x: torch.Tensor, out: torch.Tensor | None) -> Thunks:
+        def reference() -> torch.Tensor:
+            res = ns_step_reference(x, a, b, c)
+            return res if out is None else out.copy_(res)
 
-    return _dispatch.run(
-        "ns_step", ns_step_kernel, (x,) if out is None else (x, out),
-        triton=lambda: _ns_step_triton(x, a, b, c, out=out, config=config),
-        reference=reference,
-        oracle=lambda: ns_step_reference(x.double(), a, b, c),
-        writes=() if out is None else (out,), config=config,
-    )
+        return Thunks(
+            triton=lambda: _ns_step_triton(x, a, b, c, out=out, config=config),
+            reference=reference,
+            oracle=lambda: ns_step_reference(x.double(), a, b, c),
+            writes=() if out is None else (out,),
+        )
+
+    # B = b A + c A A is the symmetric kernel with A as its C term, scaled by b
+    return _dispatch.run("ns_step", ns_step_kernel, {"x": x, "out": out}, bind,
+                         config=config, constexprs=(("HAS_C", has_c_term(x, b)),))
 
 
 def sym_stat_update_(
@@ -173,26 +187,32 @@ def sym_stat_update_(
 
     ``stat`` (..., m, m) must be symmetric; the kernel reads it on and above the diagonal only.
     """
-    return _dispatch.run(
-        "sym_stat_update_", syrk_kernel, (stat, g),
-        triton=lambda: _sym_stat_update_triton(stat, g, beta, config=config),
-        reference=lambda: sym_stat_update_reference(stat, g, beta),
-        oracle=lambda: sym_stat_update_reference(stat.double(), g.double(), beta),
-        writes=(stat,), config=config,
-    )
+
+    def bind(stat: torch.Tensor, g: torch.Tensor) -> Thunks:
+        return Thunks(
+            triton=lambda: _sym_stat_update_triton(stat, g, beta, config=config),
+            reference=lambda: sym_stat_update_reference(stat, g, beta),
+            oracle=lambda: sym_stat_update_reference(stat.double(), g.double(), beta),
+            writes=(stat,),
+        )
+
+    return _dispatch.run("sym_stat_update_", syrk_kernel, {"stat": stat, "g": g}, bind,
+                         config=config, constexprs=(("HAS_C", has_c_term(stat, beta)),))
 
 
 def coupled_newton_step(
     x: torch.Tensor, m: torch.Tensor, root: int, *, config: TileConfig | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One coupled Newton inverse-root step: Mp = ((root+1) I - M) / root; (X Mp, Mp^root M)."""
-    return _dispatch.run(
-        "coupled_newton_step", syrk_kernel, (x, m),
-        triton=lambda: _coupled_newton_step_triton(x, m, root, config=config),
-        reference=lambda: coupled_newton_step_reference(x, m, root),
-        oracle=lambda: coupled_newton_step_reference(x.double(), m.double(), root),
-        config=config,
-    )
+
+    def bind(x: torch.Tensor, m: torch.Tensor) -> Thunks:  # its products have no C term
+        return Thunks(
+            triton=lambda: _coupled_newton_step_triton(x, m, root, config=config),
+            reference=lambda: coupled_newton_step_reference(x, m, root),
+            oracle=lambda: coupled_newton_step_reference(x.double(), m.double(), root),
+        )
+
+    return _dispatch.run("coupled_newton_step", syrk_kernel, {"x": x, "m": m}, bind, config=config)
 
 
 def inverse_root_newton(

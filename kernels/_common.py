@@ -27,6 +27,7 @@ except Exception:  # ImportError, or a broken install: the references still work
     TRITON_AVAILABLE = False
 
 __all__ = [
+    "LARGE_TILES_FROM",
     "MAX_BATCH",
     "MAX_OFFSET",
     "SUPPORTED_DTYPES",
@@ -43,6 +44,7 @@ __all__ = [
     "matrix_extent",
     "overlaps",
     "round_bf16_rne",
+    "stack_view",
     "tl",
     "triton",
 ]
@@ -104,6 +106,9 @@ class TileConfig:
             raise ValueError(f"Invalid TileConfig.group_m={self.group_m}. Must be >= 1.")
 
 
+# default_config takes the large tiles from this size of the larger output dim on (16-bit dtypes).
+LARGE_TILES_FROM = 1024
+
 # Interpreter: each program costs a few ms per K step, whatever the tile, so take big tiles.
 INTERPRETER_CONFIG = TileConfig(block_m=128, block_n=128, block_k=128, num_warps=4, num_stages=1)
 
@@ -120,7 +125,7 @@ def default_config(m: int, n: int, dtype: torch.dtype, *, interpreted: bool) -> 
         return INTERPRETER_CONFIG
     if dtype == torch.float32:
         return TileConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
-    if max(m, n) < 1024:
+    if max(m, n) < LARGE_TILES_FROM:
         return TileConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4)
     return TileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
 
@@ -146,6 +151,17 @@ def cdiv(n: int, d: int) -> int:
 def as_stack(x: torch.Tensor) -> torch.Tensor:
     """View (..., r, c) as (B, r, c); copies only when the leading dims cannot be merged."""
     return x.reshape(-1, x.shape[-2], x.shape[-1])
+
+
+def stack_view(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` as the (B, r, c) view ``as_stack`` gives (``x`` itself up to rank 3), or None where
+    ``as_stack`` must copy (leading dims that do not merge into one)."""
+    if x.ndim <= 3:
+        return x
+    try:
+        return x.view(-1, x.shape[-2], x.shape[-1])
+    except RuntimeError:
+        return None
 
 
 def check_operand(name: str, x: torch.Tensor, *, kernel: Any) -> None:

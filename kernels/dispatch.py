@@ -3,8 +3,10 @@
 * ``default``: the Triton kernel when Triton is importable, every tensor is on CUDA and the shape and
   dtypes are supported, once the kernel has passed its first-use check for the call's shape class
   (``validation.py``: the kernel against the torch reference and a float64 oracle on the caller's
-  input; a compile error or a miss sends the operation to torch for the rest of the process, with
-  one warning). The torch reference otherwise (CPU tensors, float64, empty inputs, ...).
+  input, or on a slice of it of the same class where the input is large; any error in the check or
+  a miss sends the operation to torch for the rest of the process, with one warning). The torch
+  reference otherwise (CPU tensors, float64, empty inputs, an in-place argument the kernel cannot
+  write through a view, ...).
 * ``triton``: always the kernel, never checked; an input it cannot take and any error of the kernel
   raise, never a silent fallback. Under ``TRITON_INTERPRET=1`` the kernels take CPU tensors (this
   is how the tests run them).
@@ -27,7 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -41,6 +43,7 @@ from ds_canzona.kernels._common import (
     TileConfig,
     is_interpreted,
     matrix_extent,
+    stack_view,
 )
 
 __all__ = [
@@ -96,8 +99,10 @@ def device_type(tensor: torch.Tensor) -> str:
     return tensor.device.type
 
 
-def _triton_refusal(kernel: object, tensors: tuple[torch.Tensor, ...], square: int | None) -> str | None:
-    """Why the Triton kernel cannot take these tensors, or None when it can."""
+def _triton_refusal(
+    kernel: object, tensors: tuple[torch.Tensor, ...], square: int | None, writes: Sequence[torch.Tensor] = ()
+) -> str | None:
+    """Why the Triton kernel cannot take these tensors, or None when it can (``writes``: the ones it updates in place)."""
     if not TRITON_AVAILABLE:
         return "Triton is not importable"
     if square is not None and square * square > MAX_OFFSET:
@@ -120,15 +125,20 @@ def _triton_refusal(kernel: object, tensors: tuple[torch.Tensor, ...], square: i
             return f"device {t.device} (the interpreter runs on the CPU)"
         if not interpreted and device_type(t) != "cuda":
             return f"device {t.device} (kernels need CUDA)"
+    for t in writes:
+        if stack_view(t) is None:  # the wrappers write through one (B, r, c) view
+            return f"an in-place argument {tuple(t.shape)} whose leading dims do not merge into one view"
     return None
 
 
-def _route(op: str, kernel: object, tensors: tuple[torch.Tensor, ...], square: int | None) -> tuple[str, str]:
+def _route(
+    op: str, kernel: object, tensors: tuple[torch.Tensor, ...], square: int | None, writes: Sequence[torch.Tensor] = ()
+) -> tuple[str, str]:
     """('torch' | 'triton' | 'check', reason): the reference, the kernel alone, or the kernel once checked."""
     backend = _backend
     if backend == "torch":
         return "torch", "backend 'torch'"
-    refusal = _triton_refusal(kernel, tensors, square)
+    refusal = _triton_refusal(kernel, tensors, square, writes)
     if refusal is not None:
         if backend == "triton":
             raise ValueError(f"kernels backend 'triton' cannot run {op}: {refusal}")
@@ -171,25 +181,26 @@ def choose(op: str, kernel: object, *tensors: torch.Tensor, square: int | None =
 def run(
     op: str,
     kernel: Any,
-    tensors: Sequence[torch.Tensor],
+    arguments: Mapping[str, torch.Tensor | None],
+    bind: Callable[..., validation.Thunks],
     *,
-    triton: Callable[[], Any],
-    reference: Callable[[], Any],
-    oracle: Callable[[], Any],
-    writes: Sequence[torch.Tensor] = (),
     square: int | None = None,
     config: TileConfig | None = None,
+    constexprs: Sequence[tuple[str, Any]] = (),
 ) -> Any:
     """Run ``op`` on the implementation the backend picks; under ``default`` on CUDA, check first use.
 
-    ``triton`` / ``reference`` run the kernel wrapper / the torch reference on the caller's
-    arguments; ``oracle`` the reference on float64 copies of them; ``writes`` are the arguments
-    either updates in place. ``config``: the caller's pinned tiles (part of the shape class).
+    ``arguments``: the call's tensor arguments by name (None for one not given); ``bind(**arguments)``
+    gives its ``validation.Thunks`` (the kernel wrapper, the torch reference, the reference on
+    float64 copies, the arguments updated in place), and the first-use check binds it to a slice of
+    them where the call is large. ``config``: the caller's pinned tiles; ``constexprs``: (name, value)
+    of the kernel constexprs the call's values decide (both part of the shape class).
     """
-    tensors = tuple(tensors)
-    where, reason = _route(op, kernel, tensors, square)
+    tensors = tuple(t for t in arguments.values() if t is not None)
+    call = bind(**arguments)
+    where, reason = _route(op, kernel, tensors, square, call.writes)
     if where == "check":
-        cls = validation.shape_class(op, tensors, config)
+        cls = validation.shape_class(op, tensors, config, constexprs)
         verdict = validation.class_verdict(op, cls)
         if verdict == "gave up":
             where, reason = "torch", f"no conclusive first-use check for {cls.text}"
@@ -197,11 +208,10 @@ def run(
             where, reason = "triton", "passed its first-use check"
     if where == "check":
         result, implementation, reason = validation.check_first_use(
-            op, getattr(kernel, "__name__", str(kernel)), cls, triton=triton, reference=reference, oracle=oracle,
-            writes=writes)
+            op, getattr(kernel, "__name__", str(kernel)), cls, arguments, bind)
     else:
         implementation = where
-        result = reference() if where == "torch" else triton()
+        result = call.reference() if where == "torch" else call.triton()
     _log_once(op, implementation, reason)
     validation.record_route(op, implementation, reason)
     return result

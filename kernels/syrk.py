@@ -33,7 +33,13 @@ from ds_canzona.kernels._common import (
     tl,
 )
 
-__all__ = ["syrk", "syrk_kernel", "syrk_reference"]
+__all__ = ["has_c_term", "syrk", "syrk_kernel", "syrk_reference"]
+
+
+def has_c_term(c: torch.Tensor | None, beta: float) -> bool:
+    """The kernel's ``HAS_C``: whether ``beta * C`` is added (a constexpr, so each value is its own
+    compiled variant and its own first-use shape class)."""
+    return c is not None and beta != 0.0
 
 
 @jit
@@ -183,7 +189,7 @@ def syrk(
         c3.stride(0), c3.stride(1), c3.stride(2),
         out3.stride(0), out3.stride(1), out3.stride(2),
         float(alpha), float(beta),
-        HAS_C=c is not None and beta != 0.0,
+        HAS_C=has_c_term(c, beta),
         INTERP_BF16=interp_bf16_flag(a.dtype, out3.dtype, kernel=syrk_kernel),
         INPUT_PRECISION=dot_precision(a.dtype, fp32_precision),
         BLOCK=cfg.block_m,
