@@ -515,6 +515,20 @@ def _counted_launches(group: dict, shape: tuple[int, ...], warm: int, steps: int
     ({"kind": "soap", "weight_decay": 0.1, "precondition_frequency": 3}, (32, 64), {"precondition_frequency": 3}, 1, 3),
     ({"kind": "soap", "weight_decay": 0.1, "precondition_frequency": 3, "max_precond_dim": 40}, (32, 64),
      {"precondition_frequency": 3, "max_preconditioner_dim": 40}, 1, 3),  # the long side unrotated
+    ({"kind": "soap", "weight_decay": 0.1, "precondition_frequency": 3, "max_precond_dim": 40}, (64, 32),
+     {"precondition_frequency": 3, "max_preconditioner_dim": 40}, 1, 3),  # only the right side rotated
+    ({"kind": "soap", "weight_decay": 0.1, "precondition_frequency": 3, "max_precond_dim": 40}, (64, 64),
+     {"precondition_frequency": 3, "max_preconditioner_dim": 40}, 1, 3),  # no side rotated: Adam, no guard
+    ({"kind": "shampoo", "weight_decay": 0.1, "precondition_frequency": 3, "max_preconditioner_dim": 32},
+     (64, 32), {"precondition_frequency": 3, "max_preconditioner_dim": 32}, 3, 3),  # row blocks: contiguous
+    # Expert stacks: each expert blocked or rotated on its own, the guard's read once per tensor.
+    ({"kind": "shampoo", "weight_decay": 0.1, "precondition_frequency": 3}, (3, 32, 64),
+     {"precondition_frequency": 3}, 3, 3),
+    ({"kind": "shampoo", "weight_decay": 0.1, "precondition_frequency": 3, "max_preconditioner_dim": 24},
+     (2, 64, 32), {"precondition_frequency": 3, "max_preconditioner_dim": 24}, 3, 3),  # 3 x 2 blocks per expert
+    ({"kind": "soap", "weight_decay": 0.1, "precondition_frequency": 3}, (3, 32, 64), {"precondition_frequency": 3}, 1, 3),
+    ({"kind": "soap", "weight_decay": 0.1, "precondition_frequency": 3, "max_precond_dim": 40}, (2, 64, 32),
+     {"precondition_frequency": 3, "max_preconditioner_dim": 40}, 1, 3),
 ])
 def test_launch_counts_are_what_the_rules_launch(group, shape, options, warm, steps):
     """The model's launches per step against the ops the matrix rules dispatch (torch path, weight decay on).
@@ -698,3 +712,27 @@ def test_calibrate_reports_the_launch_term_in_the_models_units(tmp_path, capsys)
     assert data["launch_flops"] == pytest.approx(data["machine_balance"] * data["launch_bytes"], rel=1e-9)
     assert data["default_launch_bytes"] == DEFAULT_LAUNCH_BYTES["cpu"]
     assert "launch_bytes=" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("optimizer, options", [
+    ("shampoo", {"precondition_frequency": 3}),
+    ("shampoo", {"precondition_frequency": 3, "max_preconditioner_dim": 8}),  # each expert cut into blocks
+    ("soap", {"precondition_frequency": 3}),
+    ("soap", {"precondition_frequency": 3, "max_preconditioner_dim": 16}),  # each expert's long side unrotated
+])
+def test_shampoo_and_soap_price_an_expert_stack_as_its_experts(optimizer, options) -> None:
+    """A [E, rows, cols] stack is E matrices of rows x cols, as the rules update it (one set of
+    statistics per expert): its work is E times one expert's, in FLOPs and on the roofline, and its
+    launches are E times one expert's per-matrix launches on top of the tensor's own."""
+    stack = ParamSpec(name="experts", shape=(4, 12, 20), matrix=True)
+    expert = ParamSpec(name="expert", shape=(12, 20), matrix=True)
+    for name in ("flops", "roofline"):
+        # Launches off for the work: a stack launches its per-tensor kernels once (checked below).
+        model = cost_model(name, optimizer, **({"launch_bytes": 0.0} if name == "roofline" else {}), **options)
+        assert model.cost(stack) == pytest.approx(4 * model.cost(expert), rel=1e-12)
+    one, two = (step_launches(ParamSpec(name="s", shape=(n, 12, 20), matrix=True), optimizer, **options)
+                for n in (1, 2))
+    assert one == pytest.approx(step_launches(expert, optimizer, **options), rel=1e-12)
+    per_expert = step_launches(ParamSpec(name="s", shape=(3, 12, 20), matrix=True), optimizer, **options) - two
+    assert per_expert > 0
+    assert step_launches(stack, optimizer, **options) == pytest.approx(two + 2 * per_expert, rel=1e-12)

@@ -153,15 +153,21 @@ _MUON_MATRIX_LAUNCHES = 4
 # the norm of O). Counted from the rules in tests/test_plan_cost.py.
 _NORMUON_NORMALISE_LAUNCHES, _ADAMUON_NORMALISE_LAUNCHES, _SIGN_LAUNCHES = 6, 5, 1
 _RESCALE_LAUNCHES = {"original": 9, "match_rms_adamw": 7}
-# Shampoo per step: AdamW's grafting direction and its norm (10), per block a×b the two statistics,
-# the two preconditioner products and the rescale (17), and the inverse roots' refresh (18 per block
-# every precondition_frequency steps). SOAP: Adam in the rotated basis and the update (9), per rotated
-# side its statistic and the three rotations (7), and the eigenbasis refresh (10 per rotated side
-# every precondition_frequency steps).
-_SHAMPOO_LAUNCHES, _SHAMPOO_BLOCK_LAUNCHES, _SHAMPOO_REFRESH_LAUNCHES = 10, 17, 18
-_SOAP_LAUNCHES, _SOAP_SIDE_LAUNCHES, _SOAP_REFRESH_LAUNCHES = 9, 7, 10
+# Shampoo per step: per tensor AdamW's grafting direction, the output and the update (12); per block
+# a×b of each matrix (each expert of a stack) the two statistics, the two preconditioner products
+# and the rescale (15), one more copy to make the block contiguous when it leaves out columns (cols
+# above max_preconditioner_dim), and the inverse roots' refresh (18 per block every
+# precondition_frequency steps). SOAP: per tensor the first moment, the decay and the update (3), and
+# for a stack one copy joining the experts' directions; per matrix Adam in its rotated basis (7), per
+# rotated side its statistic and rotations (left 6, right 7: one more copy, the contiguous Gᵀ), and
+# the eigenbasis refresh (10 per rotated side every precondition_frequency steps).
+_SHAMPOO_LAUNCHES, _SHAMPOO_BLOCK_LAUNCHES, _SHAMPOO_REFRESH_LAUNCHES = 12, 15, 18
+_SHAMPOO_PARTIAL_BLOCK_LAUNCHES = 1
+_SOAP_LAUNCHES, _SOAP_STACK_LAUNCHES, _SOAP_MATRIX_LAUNCHES, _SOAP_REFRESH_LAUNCHES = 3, 1, 7, 10
+_SOAP_SIDE_LAUNCHES = {"left": 6, "right": 7}
 # Both, on each refresh: the statistics guard (optim/shampoo.py statistic_health) looks at every
-# statistic of the tensor (one launch each) and reads them as one stacked vector (one launch).
+# statistic of the tensor, every expert's of a stack (one launch each), and reads them as one
+# stacked vector (one launch per tensor).
 _GUARD_TENSOR_LAUNCHES, _GUARD_STAT_LAUNCHES = 1, 1
 
 # One kernel launch in elementwise bytes (launch seconds x elementwise bytes/s), per device kind.
@@ -298,18 +304,20 @@ def step_launches(spec: ParamSpec, optimizer: str = "muon", *, device: str = "cu
         launches = step_launches(spec, "muon", ns_steps=merged["ns_steps"], ns_method=merged["ns_method"]) \
             * spec.tp_size + _normalisation_launches(optimizer, merged)
     elif optimizer == "shampoo":
-        blocks = sum(a_count for _, a_count in _blocks(rows, merged["max_preconditioner_dim"])) * sum(
-            b_count for _, b_count in _blocks(cols, merged["max_preconditioner_dim"]))
-        guard = _GUARD_TENSOR_LAUNCHES + 2 * blocks * _GUARD_STAT_LAUNCHES  # a left and a right statistic per block
-        launches = _SHAMPOO_LAUNCHES + count * (blocks * (
-            _SHAMPOO_BLOCK_LAUNCHES + _SHAMPOO_REFRESH_LAUNCHES / merged["precondition_frequency"])
-            + guard / merged["precondition_frequency"])
+        # Per matrix of the stack (each expert is blocked on its own); the guard reads once per tensor.
+        max_dim, frequency = merged["max_preconditioner_dim"], merged["precondition_frequency"]
+        blocks = sum(a_count for _, a_count in _blocks(rows, max_dim)) * sum(
+            b_count for _, b_count in _blocks(cols, max_dim))
+        per_block = (_SHAMPOO_BLOCK_LAUNCHES + (_SHAMPOO_PARTIAL_BLOCK_LAUNCHES if cols > max_dim else 0)
+                     + (_SHAMPOO_REFRESH_LAUNCHES + 2 * _GUARD_STAT_LAUNCHES) / frequency)  # a left and a right statistic
+        launches = _SHAMPOO_LAUNCHES + count * blocks * per_block + _GUARD_TENSOR_LAUNCHES / frequency
     else:
-        sides = (rows <= merged["max_preconditioner_dim"]) + (cols <= merged["max_preconditioner_dim"])
-        guard = _GUARD_TENSOR_LAUNCHES + sides * _GUARD_STAT_LAUNCHES if sides else 0  # no statistic, no guard
-        launches = _SOAP_LAUNCHES + count * (sides * (
-            _SOAP_SIDE_LAUNCHES + _SOAP_REFRESH_LAUNCHES / merged["precondition_frequency"])
-            + guard / merged["precondition_frequency"])
+        max_dim, frequency = merged["max_preconditioner_dim"], merged["precondition_frequency"]
+        rotated = [side for side, size in (("left", rows), ("right", cols)) if size <= max_dim]
+        per_matrix = _SOAP_MATRIX_LAUNCHES + sum(
+            _SOAP_SIDE_LAUNCHES[side] + (_SOAP_REFRESH_LAUNCHES + _GUARD_STAT_LAUNCHES) / frequency for side in rotated)
+        guard = _GUARD_TENSOR_LAUNCHES / frequency if rotated else 0  # no statistic, no guard
+        launches = _SOAP_LAUNCHES + (_SOAP_STACK_LAUNCHES if count > 1 else 0) + count * per_matrix + guard
     return launches / spec.tp_size
 
 

@@ -31,7 +31,6 @@ tensor-parallel shard counts its local shape.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -71,7 +70,8 @@ def state_elements(spec: ParamSpec, optimizer: str = "muon", *, max_precondition
     numel = spec.numel
     if not spec.matrix:
         return 2 * numel  # AdamW: exp_avg, exp_avg_sq
-    rows, cols = spec.shape[0], math.prod(spec.shape[1:])
+    # Shampoo and SOAP keep per-matrix statistics: a 3-D stack has one set per expert.
+    count, rows, cols = spec.matrix_stack
     if optimizer == "muon":
         return numel  # momentum_buffer
     if optimizer == "normuon":
@@ -86,10 +86,10 @@ def state_elements(spec: ParamSpec, optimizer: str = "muon", *, max_precondition
         for a in _block_sizes(rows, limit):
             for b in _block_sizes(cols, limit):
                 factors += 2 * a * a + 2 * b * b  # left/right statistic and inverse root
-        return 2 * numel + factors  # exp_avg, exp_avg_sq (grafting)
+        return 2 * numel + count * factors  # exp_avg, exp_avg_sq (grafting)
     if optimizer == "soap":
         factors = sum(2 * side * side for side in (rows, cols) if side <= limit)  # statistic and basis
-        return 2 * numel + factors
+        return 2 * numel + count * factors
     raise PlanError(f"Invalid optimizer={optimizer!r}: must be one of {sorted(MEMORY_OPTIMIZERS)}.")
 
 
