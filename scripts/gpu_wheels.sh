@@ -3,7 +3,11 @@
 # no network). The image has CPython 3.12 with torch, triton, transformers and DeepSpeed's other
 # requirements, but not deepspeed, hjson or pydantic (nor pydantic's own requirements).
 #
-#   scripts/gpu_wheels.sh            # here, with network: downloads, builds, checks; about a minute
+#   bash scripts/gpu_wheels.sh           # here, with network: downloads, builds, checks; about a minute
+#   bash scripts/gpu_wheels.sh --check   # the check alone (no network): run it right before a device call
+#
+# Then the device call carries the folder (it is git-ignored): carry ["gpu_wheels"], and the
+# command `bash scripts/gpu_session.sh` (docs/BENCHMARKS.md "The GPU session").
 #
 # - hjson, pydantic, pydantic-core, annotated-types, typing-inspection, typing-extensions: binary
 #   wheels for CPython 3.12 manylinux x86_64, at the versions installed here (the ones the tests
@@ -13,8 +17,13 @@
 # - the check: all of them installed into a temporary folder and imported with no GPU and no
 #   compiler (CC/CXX false, no CUDA_HOME), and pydantic imported by CPython 3.12 when one is here;
 # - the size: the folder travels with the working tree, 64 MiB in all; this stops above 32 MiB;
-# - gpu_wheels/COMMIT: the commit and source digest the wheels were prepared at (the device copy
-#   has no .git: gpu_session.sh prints this when git cannot tell).
+# - gpu_wheels/COMMIT: the commit, the source digest and this recipe's digest the wheels were
+#   prepared with (the device copy has no .git: gpu_session.sh prints the commit when git cannot tell);
+# - the preflight (ds_canzona/bench/gpu/preflight.py, standard library only): every wheel's tags
+#   installable by CPython 3.12 on x86-64 Linux, one version per distribution, every requirement
+#   among the carried wheels met at its pinned version, deepspeed/hjson/pydantic all provided, the
+#   size within 32 MiB, and COMMIT written by this recipe. The session runs it again on the device
+#   (--here: the device's own Python, glibc and packages) before it installs anything.
 #
 # Wheels already in the folder are kept. Environment: PYTHON (default python3: needs pip,
 # setuptools and torch, which deepspeed's setup.py imports), PYTHON312 (default python3.12, for
@@ -22,9 +31,16 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python3}
-PYTHON312=${PYTHON312:-python3.12}
 DEST=${GPU_WHEELS:-gpu_wheels}
-LIMIT_BYTES=$((32 * 1024 * 1024))
+preflight() { "$PYTHON" ds_canzona/bench/gpu/preflight.py --wheels "$DEST" --python 3.12; }
+if [[ ${1:-} == --check ]]; then
+    preflight
+    exit
+elif [[ $# -gt 0 ]]; then
+    echo "usage: bash scripts/gpu_wheels.sh [--check]" >&2
+    exit 2
+fi
+PYTHON312=${PYTHON312:-python3.12}
 mkdir -p "$DEST"
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_wheels.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
@@ -70,16 +86,8 @@ else
     echo "  (no CPython 3.12 here, PYTHON312=$PYTHON312: the cp312 wheel was not imported)"
 fi
 
-total=$(du -cb "$DEST"/*.whl | tail -n1 | cut -f1)
-echo "gpu_wheels: $(find "$DEST" -name '*.whl' | wc -l) wheels, $((total / 1024)) KiB"
-if ((total > LIMIT_BYTES)); then
-    echo "gpu_wheels: more than $((LIMIT_BYTES / 1024 / 1024)) MiB; the working tree travels in 64 MiB" >&2
-    exit 1
-fi
-
-digest=$(find ds_canzona kernels scripts -type f \( -name '*.py' -o -name '*.sh' -o -name '*.json' \) \
-    -not -path '*/__pycache__/*' | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16)
 head=$(git rev-parse HEAD 2>/dev/null || echo unknown)
 [[ -n $(git status --porcelain --untracked-files=no 2>/dev/null) ]] && head+="+uncommitted"
-printf '%s source-digest %s\n' "$head" "$digest" >"$DEST/COMMIT"
-echo "wrote $DEST/COMMIT: $(cat "$DEST/COMMIT")"
+{ echo "commit $head"; "$PYTHON" ds_canzona/bench/gpu/preflight.py --digests; } >"$DEST/COMMIT"
+echo "wrote $DEST/COMMIT:" $(cat "$DEST/COMMIT")
+preflight

@@ -22,14 +22,15 @@ defaults, ``ds_canzona.plan.DEFAULT_MACHINE_BALANCE`` and ``DEFAULT_LAUNCH_BYTES
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from ...cli import Command, OneLineParser
+from .._record import write_json_atomically
 
 __all__ = ["CALIBRATE", "Calibration", "calibrate", "main"]
 
@@ -157,8 +158,7 @@ def run(args: argparse.Namespace) -> int:
     print(f'\n"canzona": {{"cost_model": "roofline", "machine_balance": {result.machine_balance:.0f}}}')
     print(f'cost_model("roofline", machine_balance={result.machine_balance:.0f}, launch_bytes={result.launch_bytes:.2g})')
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(asdict(result), handle, indent=1)
+        write_json_atomically(Path(args.json), asdict(result))
     return 0
 
 

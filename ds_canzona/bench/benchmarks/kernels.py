@@ -15,18 +15,20 @@ that skips half the tiles can show more TFLOP/s than cuBLAS. ``err`` is the kern
 Frobenius error against the same math in fp32 (TF32 off), a check that the compiled kernel is right.
 
 Without a CUDA GPU it prints one line and exits 0; ``--cpu`` times tiny shapes on the torch
-reference only (no Triton, no cuBLAS column). ``--json FILE`` writes every number.
+reference only (no Triton, no cuBLAS column). ``--json FILE`` writes every number, rewritten after each row.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
+
+from .._record import JsonRecord
 
 SQUARE = [(1024, 1024), (2048, 2048), (4096, 4096), (8192, 8192)]
 
@@ -139,7 +141,8 @@ def _gpu_shapes(args: argparse.Namespace) -> list[tuple[str, int, int]]:
     return shapes
 
 
-def _bench_kernels(args: argparse.Namespace, device: str, shapes: Sequence[tuple[str, int, int]]) -> list[dict[str, Any]]:
+def _bench_kernels(args: argparse.Namespace, device: str, shapes: Sequence[tuple[str, int, int]],
+                   on_row: Callable[[dict[str, Any]], None]) -> list[dict[str, Any]]:
     """Kernel, torch and cuBLAS on ``device`` ('cuda'; 'cpu' only under TRITON_INTERPRET=1, in tests)."""
     import torch
 
@@ -213,13 +216,14 @@ def _bench_kernels(args: argparse.Namespace, device: str, shapes: Sequence[tuple
                     row["sweep_best_config"] = {k: getattr(best[1], k) for k in best[1].__dataclass_fields__}
             rows.append(row)
             print(_format_row(row), flush=True)
+            on_row(row)
             del ref32
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
 
 
-def _bench_cpu(args: argparse.Namespace) -> list[dict[str, Any]]:
+def _bench_cpu(args: argparse.Namespace, on_row: Callable[[dict[str, Any]], None]) -> list[dict[str, Any]]:
     import torch
 
     from ds_canzona.kernels import newton_schulz, shampoo, syrk
@@ -244,6 +248,7 @@ def _bench_cpu(args: argparse.Namespace) -> list[dict[str, Any]]:
                    "torch_ms": t, "torch_tflops": flops / t / 1e9}
             rows.append(row)
             print(_format_row(row), flush=True)
+            on_row(row)
     return rows
 
 
@@ -301,11 +306,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(f"# CPU, torch reference only, {args.dtype}; median of {args.repeats} runs")
     print(_header())
-    rows = _bench_kernels(args, "cuda", _gpu_shapes(args)) if device == "cuda" else _bench_cpu(args)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-        print(f"# wrote {args.json}")
+    # Written after every row: a sweep stopped at a time limit keeps what it measured.
+    record = JsonRecord(Path(args.json), {"meta": meta}) if args.json else None
+    on_row = record.add if record is not None else (lambda row: None)
+    if device == "cuda":
+        _bench_kernels(args, "cuda", _gpu_shapes(args), on_row)
+    else:
+        _bench_cpu(args, on_row)
+    if record is not None:
+        print(f"# wrote {record.finish()}")
     return 0
 
 

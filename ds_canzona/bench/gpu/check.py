@@ -10,8 +10,10 @@ context in one cannot stop the next):
 * ``engine``: DeepSpeed engine steps on one device, ZeRO-1/2/3 x Muon/Shampoo/SOAP (``gpu.engine``);
 * ``ns-time``: Muon's Newton-Schulz with the Triton kernels against torch at the model's shapes.
 
-Each prints one line per case, a ``RESULT`` line, and writes ``OUT/<phase>.json``; the exit
-status is 0 when every case passed, 1 otherwise. ``--dry-run`` (or ``GPU_SESSION_DRY_RUN=1``)
+Each prints one line per case, a ``RESULT`` line, and writes ``OUT/<phase>.json``, rewritten
+after every case (``bench._record.JsonRecord``: ``"complete": false`` until the phase ends), so a
+phase stopped at its time limit leaves the cases it finished; the exit status is 0 when every
+case passed, 1 otherwise. ``--dry-run`` (or ``GPU_SESSION_DRY_RUN=1``)
 runs the same code on the CPU: tiny shapes, Triton's interpreter, a 2-layer model, gloo.
 """
 
@@ -23,13 +25,14 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from ...cli import Command, OneLineParser
+from .._record import JsonRecord
 
 __all__ = ["GPU_CHECK", "main"]
 
@@ -90,11 +93,8 @@ def environment() -> dict[str, Any]:
     return env
 
 
-def _write(out: Path, phase: str, payload: dict[str, Any]) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{phase.replace('-', '_')}.json"
-    path.write_text(json.dumps(payload, indent=1, default=str), encoding="utf-8")
-    return path
+def _record(out: Path, phase: str, header: dict[str, Any]) -> JsonRecord:
+    return JsonRecord(out / f"{phase.replace('-', '_')}.json", header)
 
 
 def _print(text: str) -> None:
@@ -107,7 +107,7 @@ def _result(phase: str, rows: Sequence[dict[str, Any]], seconds: float, path: Pa
     _print(f"RESULT {phase}: {len(rows) - len(failed) - len(skipped)} passed, {len(failed)} failed"
            + (f", {len(skipped)} skipped" if skipped else "") + f" in {seconds:.1f} s; wrote {path}")
     for row in failed:
-        name = row.get("case") or " ".join(str(row.get(k, "")) for k in ("stage", "optimizer", "matrix", "method"))
+        name = row.get("case") or " ".join(str(row.get(k, "")) for k in ("stage", "optimizer", "variant", "matrix", "method"))
         _print(f"  FAILED {row.get('backend', '')} {name.strip()}: {row.get('reason', '')}")
     return 1 if failed or not rows else 0
 
@@ -132,7 +132,8 @@ def _device(dry: bool) -> str:
 # --------------------------------------------------------------------------- the phases
 
 
-def validate_dtypes(dtypes: Sequence[str], ops: Sequence[str] | None, *, dry: bool, device: str
+def validate_dtypes(dtypes: Sequence[str], ops: Sequence[str] | None, *, dry: bool, device: str,
+                    on_row: Callable[[dict[str, Any]], None] | None = None
                     ) -> tuple[list[dict[str, Any]], str | None]:
     """The validation cases of ``dtypes``, backend ``triton`` then ``default``, in this process;
     the rows and the kernels' backend report. A worker process runs this for its dtype."""
@@ -151,17 +152,17 @@ def validate_dtypes(dtypes: Sequence[str], ops: Sequence[str] | None, *, dry: bo
     rows = []
     for backend in ("triton", "default"):
         rows += validate.run_cases(selected, backend=backend, device=device,
-                                       report=lambda row: _print(validate.format_row(row)))
+                                   report=lambda row: (_print(validate.format_row(row)), on_row and on_row(row)))
     return rows, _backend_report()
 
 
-def _validate_in_workers(dtypes: Sequence[str], ops: Sequence[str] | None, *, workers: int, dry: bool, device: str
-                         ) -> tuple[list[dict[str, Any]], list[str]]:
+def _validate_in_workers(dtypes: Sequence[str], ops: Sequence[str] | None, *, workers: int, dry: bool, device: str,
+                         on_rows: Callable[[list[dict[str, Any]]], None]) -> tuple[list[dict[str, Any]], list[str]]:
     """Each dtype in a spawned process of its own, ``workers`` at a time: Triton compiles each
     process's kernels on its own CPU core (compilation, not the GPU, is most of this phase), and a
     crash or a poisoned CUDA context costs only that dtype's cases, which are then failed rows."""
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures import ProcessPoolExecutor, as_completed
 
     from . import validate
 
@@ -169,8 +170,9 @@ def _validate_in_workers(dtypes: Sequence[str], ops: Sequence[str] | None, *, wo
     reports = []
     spawn = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
     with ProcessPoolExecutor(max_workers=min(workers, len(dtypes)), mp_context=spawn) as pool:
-        futures = {dtype: pool.submit(validate_dtypes, [dtype], ops, dry=dry, device=device) for dtype in dtypes}
-        for dtype, future in futures.items():
+        futures = {pool.submit(validate_dtypes, [dtype], ops, dry=dry, device=device): dtype for dtype in dtypes}
+        for future in as_completed(futures):  # each dtype's rows recorded as soon as its worker is done
+            dtype = futures[future]
             try:
                 group_rows, report = future.result()
             except Exception as error:  # the worker died or raised before its first case
@@ -181,6 +183,7 @@ def _validate_in_workers(dtypes: Sequence[str], ops: Sequence[str] | None, *, wo
                               for case in validate.cases(dry=dry, ops=ops, dtypes=[dtype])]
                 report = None
             rows += group_rows
+            on_rows(group_rows)
             if report:
                 reports.append(f"[{dtype} worker]\n{report}")
     return rows, reports
@@ -202,18 +205,18 @@ def _run_validate(args: argparse.Namespace) -> int:
            f"a case passes when err <= its fixed bound and the largest error <= {validate.MAX_OF_BOUND:g} x "
            f"that bound, and on a GPU err <= {validate.K_TORCH:g} x torch + {validate.FLOOR_U:g} u and the "
            f"largest error <= {validate.K_MAX:g} x torch's + u (u: the output dtype's unit roundoff)")
+    record = _record(Path(args.out), "validate", {
+        "env": environment(), "k_torch": validate.K_TORCH, "floor_u": validate.FLOOR_U, "k_max": validate.K_MAX,
+        "max_of_bound": validate.MAX_OF_BOUND, "bound_u": validate.BOUND_U})
     if workers <= 1:
-        rows, report = validate_dtypes(dtypes, ops, dry=args.dry_run, device=device)
+        rows, report = validate_dtypes(dtypes, ops, dry=args.dry_run, device=device, on_row=record.add)
         reports = [report] if report else []
     else:
-        rows, reports = _validate_in_workers(dtypes, ops, workers=workers, dry=args.dry_run, device=device)
+        rows, reports = _validate_in_workers(dtypes, ops, workers=workers, dry=args.dry_run, device=device,
+                                             on_rows=record.extend)
     report = "\n".join(reports) or None
     _print("backend report:\n" + report if report else "backend report: kernels.backend_report() not available")
-    payload = {"env": environment(), "k_torch": validate.K_TORCH, "floor_u": validate.FLOOR_U,
-               "k_max": validate.K_MAX,
-               "max_of_bound": validate.MAX_OF_BOUND, "bound_u": validate.BOUND_U, "rows": rows,
-               "backend_report": report}
-    return _result("validate", rows, time.perf_counter() - started, _write(Path(args.out), "validate", payload))
+    return _result("validate", rows, time.perf_counter() - started, record.finish(backend_report=report))
 
 
 def _run_engine(args: argparse.Namespace) -> int:
@@ -227,17 +230,17 @@ def _run_engine(args: argparse.Namespace) -> int:
     _print(f"engine: Qwen3-0.6B-shaped{' (dry run: cut down)' if args.dry_run else ''}, {settings.layers} layers"
            f"{depth}, bf16, micro-batch {settings.micro_batch} x {settings.seq} tokens, DP=1 on {device}; "
            f"{settings.warmup} warm-up + {settings.steps} timed steps + 1 step counting host syncs per case")
+    record = _record(Path(args.out), "engine", {"env": environment(), "settings": asdict(settings),
+                                                "model_config": engine.model_config(settings)})
     rows = engine.run_engines(settings, dist_backend="gloo" if device == "cpu" else "nccl",
-                                  report=lambda row: _print(engine.format_engine_row(row)))
+                              report=lambda row: (_print(engine.format_engine_row(row)), record.add(row)))
     for row in rows:
         for phase, sites in row.get("sync_sites", {}).items():
             for site, count in sorted(sites.items(), key=lambda kv: -kv[1])[:8]:
-                _print(f"  sync ZeRO-{row['stage']} {row['optimizer']} {phase}: {count} x {site}")
+                _print(f"  sync ZeRO-{row['stage']} {row['optimizer']} {row.get('variant') or ''} {phase}: {count} x {site}")
     report = _backend_report()
     _print("backend report:\n" + report if report else "backend report: kernels.backend_report() not available")
-    payload = {"env": environment(), "settings": asdict(settings),
-               "model_config": engine.model_config(settings), "rows": rows, "backend_report": report}
-    return _result("engine", rows, time.perf_counter() - started, _write(Path(args.out), "engine", payload))
+    return _result("engine", rows, time.perf_counter() - started, record.finish(backend_report=report))
 
 
 def _run_ns_time(args: argparse.Namespace) -> int:
@@ -248,10 +251,10 @@ def _run_ns_time(args: argparse.Namespace) -> int:
     settings = engine.EngineSettings.for_run(dry=args.dry_run, layers=args.layers)
     repeats = args.repeats or (1 if args.dry_run else 10)
     _print(f"ns-time: Muon's orthogonalize (5 steps), triton vs torch kernels backend, median of {repeats} on {device}")
+    record = _record(Path(args.out), "ns-time", {"env": environment(), "repeats": repeats})
     rows = engine.time_newton_schulz(settings, device=device, repeats=repeats,
-                                         report=lambda row: _print(engine.format_ns_row(row)))
-    payload = {"env": environment(), "repeats": repeats, "rows": rows}
-    return _result("ns-time", rows, time.perf_counter() - started, _write(Path(args.out), "ns-time", payload))
+                                     report=lambda row: (_print(engine.format_ns_row(row)), record.add(row)))
+    return _result("ns-time", rows, time.perf_counter() - started, record.finish())
 
 
 def _split(text: str | None) -> list[str] | None:

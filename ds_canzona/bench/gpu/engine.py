@@ -12,7 +12,11 @@ dispatch-mode counter costs Python time per op, so it never runs in a timed step
 when it raises or its loss is not finite; each case is its own try/except. Cases left when the
 time budget is spent
 are listed as skipped, not run; the order (``CASE_ORDER``) puts every stage and every optimizer in
-the first three.
+the first three, then the two variants that reach code only a GPU run exercises for real:
+``offload`` (ZeRO-2 Muon with ``offload_optimizer`` on pinned host memory: the copy stream, its
+events and the non-blocking copies) and ``reentrant`` (ZeRO-3 Muon under HuggingFace's reentrant
+gradient checkpointing with one ``down_proj`` weight shared by every layer: it gets a gradient in
+each layer's nested backward, summed as they come, across streams on a GPU). Every case sets ``canzona.comm_timeout_s``, which each group ds_canzona makes takes.
 
 ``time_newton_schulz``: Muon's ``orthogonalize`` at the model's matrix shapes, ``ns_method`` gram
 (fp16) and standard (bf16) as Muon's CUDA defaults, with the kernels backend ``triton`` against
@@ -54,7 +58,11 @@ STAGES = (1, 2, 3)
 OPTIMIZERS = ("muon", "shampoo", "soap")
 # A Latin square: the first three cases already cover every stage and every optimizer, so a time
 # budget that runs out skips repeats, not a whole stage or optimizer.
-CASE_ORDER = tuple((STAGES[(i + k) % 3], OPTIMIZERS[i]) for k in range(3) for i in range(3))
+_LATIN = tuple((STAGES[(i + k) % 3], OPTIMIZERS[i], "") for k in range(3) for i in range(3))
+VARIANTS = {"offload": (2, "muon"), "reentrant": (3, "muon")}
+CASE_ORDER = _LATIN[:3] + tuple((stage, optimizer, variant) for variant, (stage, optimizer) in VARIANTS.items()) \
+    + _LATIN[3:]
+COMM_TIMEOUT_S = 300.0  # a hung collective fails the case within the phase's limit, not at 10 minutes
 PHASES = ("forward", "backward", "step")
 
 # The dry run's model: the 0.6B config with every size cut down (2 layers, GQA kept).
@@ -108,9 +116,9 @@ def _optimizer_section(optimizer: str) -> dict[str, Any]:
                                        "precondition_frequency": 10}}
 
 
-def ds_config(stage: int, optimizer: str, settings: EngineSettings) -> dict[str, Any]:
+def ds_config(stage: int, optimizer: str, settings: EngineSettings, variant: str = "") -> dict[str, Any]:
     """A DeepSpeed config with the ``canzona`` section (what ``import ds_canzona`` acts on)."""
-    return {
+    config = {
         "train_micro_batch_size_per_gpu": settings.micro_batch,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
@@ -119,8 +127,13 @@ def ds_config(stage: int, optimizer: str, settings: EngineSettings) -> dict[str,
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000,
                               "overlap_comm": False, "contiguous_gradients": True},
         "optimizer": _optimizer_section(optimizer),
-        "canzona": {"enabled": True, "kernels": "default", "log_plan": False},
+        "canzona": {"enabled": True, "kernels": "default", "log_plan": False, "comm_timeout_s": COMM_TIMEOUT_S},
     }
+    if variant == "offload":
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    elif variant not in ("", "reentrant"):
+        raise ValueError(f"unknown engine case variant {variant!r} (one of {', '.join(VARIANTS)})")
+    return config
 
 
 def init_one_rank(dist_backend: str) -> int:
@@ -186,7 +199,7 @@ def _train_step(engine, tokens: torch.Tensor, synchronize: Callable[[], None], *
     return record
 
 
-def run_engine_case(stage: int, optimizer: str, settings: EngineSettings) -> dict[str, Any]:
+def run_engine_case(stage: int, optimizer: str, settings: EngineSettings, variant: str = "") -> dict[str, Any]:
     """Build one engine, train it ``warmup + steps`` steps and one counted step; the summary row."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -198,9 +211,17 @@ def run_engine_case(stage: int, optimizer: str, settings: EngineSettings) -> dic
     on_cuda = device.type == "cuda"
     started = time.perf_counter()
     model = _build_model(settings, device)
+    if variant == "reentrant":
+        # One down_proj weight shared by every layer: under reentrant checkpointing each layer's
+        # nested backward gives it a gradient, so it arrives once per layer (the tied embedding
+        # does not: it is used outside the checkpointed segments).
+        shared = model.model.layers[0].mlp.down_proj.weight
+        for layer in model.model.layers[1:]:
+            layer.mlp.down_proj.weight = shared
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     engine = None
     try:
-        engine, *_ = deepspeed.initialize(model=model, config=ds_config(stage, optimizer, settings))
+        engine, *_ = deepspeed.initialize(model=model, config=ds_config(stage, optimizer, settings, variant))
         build_s = time.perf_counter() - started
         vocab = model.config.vocab_size
         tokens = torch.randint(0, vocab, (settings.micro_batch, settings.seq),
@@ -211,6 +232,10 @@ def run_engine_case(stage: int, optimizer: str, settings: EngineSettings) -> dic
                    for _ in range(settings.warmup + settings.steps)]
         records.append(_train_step(engine, tokens, accelerator.synchronize, count_syncs=True, on_cuda=on_cuda))
         peak = accelerator.max_memory_allocated() if on_cuda else None
+        # ZeRO-3's runtime stops reducing a tensor on its first gradient once one has arrived twice
+        # in a backward (reentrant checkpointing): the sign that the two-gradient path ran.
+        # (Stages 1 and 2 use the flag for more: it is not read there.)
+        early = getattr(engine.optimizer, "early_launch", None) if stage == 3 else None
     finally:  # also after a failure: the next case needs the memory
         if engine is not None and hasattr(engine, "destroy"):
             engine.destroy()
@@ -218,15 +243,17 @@ def run_engine_case(stage: int, optimizer: str, settings: EngineSettings) -> dic
         gc.collect()
         if on_cuda:
             accelerator.empty_cache()
-    return _summarise(stage, optimizer, settings, records, build_s, peak)
+    row = _summarise(stage, optimizer, settings, records, build_s, peak, variant)
+    row["gradient_arrived_twice"] = None if early is None else not early
+    return row
 
 
 def _summarise(stage: int, optimizer: str, settings: EngineSettings, records: list[dict[str, Any]], build_s: float,
-               peak_bytes: int | None) -> dict[str, Any]:
+               peak_bytes: int | None, variant: str = "") -> dict[str, Any]:
     timed, counted = records[settings.warmup:-1], records[-1]
     losses = [r["loss"] for r in records]
-    row: dict[str, Any] = {"stage": stage, "optimizer": optimizer, "build_s": build_s, "losses": losses,
-                           "peak_memory_gib": None if peak_bytes is None else peak_bytes / 2**30}
+    row: dict[str, Any] = {"stage": stage, "optimizer": optimizer, "variant": variant, "build_s": build_s,
+                           "losses": losses, "peak_memory_gib": None if peak_bytes is None else peak_bytes / 2**30}
     for phase in PHASES:
         row[f"{phase}_ms"] = statistics.median(r[f"{phase}_s"] for r in timed) * 1e3
         # Every step's: the warm-up (compilation, Shampoo's first inverse roots), the timed ones and
@@ -245,7 +272,7 @@ def _summarise(stage: int, optimizer: str, settings: EngineSettings, records: li
     return row
 
 
-def run_engines(settings: EngineSettings, *, dist_backend: str, cases: list[tuple[int, str]] | None = None,
+def run_engines(settings: EngineSettings, *, dist_backend: str, cases: list[tuple[int, str, str]] | None = None,
                 report: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """Every (stage, optimizer) case in turn, each in its own try/except, within ``settings.budget_s``."""
     from transformers import Qwen3ForCausalLM  # noqa: F401  (imported before the first build is timed)
@@ -257,15 +284,15 @@ def run_engines(settings: EngineSettings, *, dist_backend: str, cases: list[tupl
     deadline = time.monotonic() + settings.budget_s
     rows = []
     try:
-        for stage, optimizer in cases or CASE_ORDER:
+        for stage, optimizer, variant in cases or CASE_ORDER:
             if time.monotonic() > deadline:
-                row = {"stage": stage, "optimizer": optimizer, "skipped": True, "passed": True,
+                row = {"stage": stage, "optimizer": optimizer, "variant": variant, "skipped": True, "passed": True,
                        "reason": f"not run: the engine phase's budget of {settings.budget_s:.0f} s is spent"}
             else:
                 try:
-                    row = run_engine_case(stage, optimizer, settings)
+                    row = run_engine_case(stage, optimizer, settings, variant)
                 except Exception as error:  # recorded, and the next case runs
-                    row = {"stage": stage, "optimizer": optimizer, "passed": False,
+                    row = {"stage": stage, "optimizer": optimizer, "variant": variant, "passed": False,
                            "reason": f"{type(error).__name__}: {' '.join(str(error).split())[:500]}",
                            "traceback": traceback.format_exc().strip().splitlines()[-8:]}
             rows.append(row)
@@ -277,7 +304,7 @@ def run_engines(settings: EngineSettings, *, dist_backend: str, cases: list[tupl
 
 
 def format_engine_row(row: dict[str, Any]) -> str:
-    head = f"ZeRO-{row['stage']} {row['optimizer']:<8}"
+    head = f"ZeRO-{row['stage']} {row['optimizer']:<8} {row.get('variant') or '':<9}"
     if row.get("skipped"):
         return f"SKIP {head} {row['reason']}"
     if "forward_ms" not in row:
