@@ -96,6 +96,14 @@ def test_dry_run_validates_every_case_on_both_backends(dry_run) -> None:
             assert row["passed"], row
             assert row["err"] <= row["bound_u"] * gpu_validate.UNIT_ROUNDOFF[
                 "float32" if row["op"] == "sym_stat_update_" and row["variant"] != "stat16" else row["dtype"]]
+    # The default pass took the GPU's route: every function's first-use check ran (under the
+    # interpreter), HAS_C both ways, the size-1 dim in its own class.
+    report = payload["backend_report"]
+    for op in ("xxt", "ns_step", "sym_stat_update_", "sym_matmul", "coupled_newton_step"):
+        assert f"{op}: triton" in report, report
+    assert "passed its first-use check" in report and "failed" not in report, report
+    assert "HAS_C=True" in report and "HAS_C=False" in report, report
+    assert "[1, 70]" in report, report
     env = payload["env"]
     assert env["triton_interpret"] == "1"
     # The code of this checkout, imported through the session's temporary package view (from the
@@ -448,7 +456,8 @@ def test_every_case_has_a_bound_and_the_dry_list_covers_every_variant() -> None:
     for dry in (True, False):
         selected = gpu_validate.cases(dry=dry)
         assert {c.dtype for c in selected} == set(gpu_validate.DTYPES)
-        assert {c.variant for c in selected} == {"", "transposed", "right", "stat16", "root3"}
+        assert {c.variant for c in selected} == {"", "transposed", "right", "stat16", "root3", "beta0"}
+        assert any(1 in c.shape[-2:] for c in selected)  # a size-1 dim
         for case in selected:
             assert case.dtype in gpu_validate.BOUND_U[case.op]
     with pytest.raises(ValueError, match="unknown op or dtype"):

@@ -20,6 +20,7 @@ runs the same code on the CPU: tiny shapes, Triton's interpreter, a 2-layer mode
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -151,9 +152,27 @@ def validate_dtypes(dtypes: Sequence[str], ops: Sequence[str] | None, *, dry: bo
     selected = validate.cases(dry=dry, ops=ops, dtypes=dtypes)
     rows = []
     for backend in ("triton", "default"):
-        rows += validate.run_cases(selected, backend=backend, device=device,
-                                   report=lambda row: (_print(validate.format_row(row)), on_row and on_row(row)))
+        with _cpu_as_cuda_for_default() if dry and backend == "default" else contextlib.nullcontext():
+            rows += validate.run_cases(selected, backend=backend, device=device,
+                                       report=lambda row: (_print(validate.format_row(row)), on_row and on_row(row)))
     return rows, _backend_report()
+
+
+@contextlib.contextmanager
+def _cpu_as_cuda_for_default():
+    """The dry run's ``default`` pass takes the GPU's route: the dispatch calls the CPU tensors CUDA
+    ones (the stand-in tests/test_kernel_validation.py uses), so every case goes through the
+    first-use check under the interpreter, and the check's cap is lowered to 4096 elements, so the
+    dry shapes' stacks are checked on a slice as a GPU's large calls are (kernels/validation.py)."""
+    from ds_canzona.kernels import dispatch, validation
+
+    saved = dispatch.device_type, validation.CHECK_MAX_ELEMENTS
+    dispatch.device_type = lambda tensor: "cuda"
+    validation.CHECK_MAX_ELEMENTS = 4096
+    try:
+        yield
+    finally:
+        dispatch.device_type, validation.CHECK_MAX_ELEMENTS = saved
 
 
 def _validate_in_workers(dtypes: Sequence[str], ops: Sequence[str] | None, *, workers: int, dry: bool, device: str,

@@ -129,6 +129,8 @@ _GPU_CASES: tuple[tuple[str, tuple[int, ...], str], ...] = (
     ("sym_stat_update_", (200, 150), "stat16"),
     ("sym_matmul", (2, 100, 100), ""),
     ("sym_matmul", (1030, 1030), ""),
+    ("sym_matmul", (300, 300), "beta0"),
+    ("xxt", (1, 1030), ""),  # a size-1 dim, which Triton specialises
     ("coupled_newton_step", (2, 100, 100), ""),
     ("coupled_newton_step", (210, 210), "root3"),
     ("inverse_root_newton", (96, 96), ""),
@@ -145,6 +147,8 @@ _DRY_CASES: tuple[tuple[str, tuple[int, ...], str], ...] = (
     ("sym_stat_update_", (2, 40, 30), "right"),
     ("sym_stat_update_", (30, 20), "stat16"),
     ("sym_matmul", (2, 40, 40), ""),
+    ("sym_matmul", (30, 30), "beta0"),
+    ("xxt", (1, 70), ""),  # a size-1 dim, which Triton specialises
     ("coupled_newton_step", (40, 40), ""),
     ("coupled_newton_step", (30, 30), "root3"),
     ("inverse_root_newton", (40, 40), ""),
@@ -251,6 +255,12 @@ def _sym_matmul(K: Any, case: Case, dt: torch.dtype, device: str, gen: torch.Gen
     s = _spd(m, lead, gen)
     a64, b64 = s @ s, s @ s @ s - 0.5 * s  # polynomials in s: symmetric and commuting
     a, b, c = (t.to(device, dt) for t in ((a64 + a64.mT) / 2, (b64 + b64.mT) / 2, _spd(m, lead, gen)))
+    if case.variant == "beta0":  # no C term (HAS_C false: another specialisation), into a poisoned out
+        oracle = SYM_ALPHA * a.double() @ b.double().mT
+        out = torch.full_like(c, float("nan"))
+        K.sym_matmul(a, b, alpha=SYM_ALPHA, out=out)
+        reference = syrk_reference(a, b, alpha=SYM_ALPHA)
+        return _Outcome(out, oracle, reference, bool(torch.equal(out, out.mT)))
     oracle = SYM_ALPHA * a.double() @ b.double().mT + SYM_BETA * c.double()
     out = _nan_lower(c)  # in place, out = c: the kernel reads c on and above the diagonal only
     K.sym_matmul(a, b, alpha=SYM_ALPHA, beta=SYM_BETA, c=out, out=out)
