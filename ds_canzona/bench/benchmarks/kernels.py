@@ -142,7 +142,7 @@ def _gpu_shapes(args: argparse.Namespace) -> list[tuple[str, int, int]]:
 
 
 def _bench_kernels(args: argparse.Namespace, device: str, shapes: Sequence[tuple[str, int, int]],
-                   on_row: Callable[[dict[str, Any]], None]) -> list[dict[str, Any]]:
+                   on_row: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """Kernel, torch and cuBLAS on ``device`` ('cuda'; 'cpu' only under TRITON_INTERPRET=1, in tests)."""
     import torch
 
@@ -216,14 +216,16 @@ def _bench_kernels(args: argparse.Namespace, device: str, shapes: Sequence[tuple
                     row["sweep_best_config"] = {k: getattr(best[1], k) for k in best[1].__dataclass_fields__}
             rows.append(row)
             print(_format_row(row), flush=True)
-            on_row(row)
+            if on_row is not None:  # the --json record, rewritten after each row
+                on_row(row)
             del ref32
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
 
 
-def _bench_cpu(args: argparse.Namespace, on_row: Callable[[dict[str, Any]], None]) -> list[dict[str, Any]]:
+def _bench_cpu(args: argparse.Namespace, on_row: Callable[[dict[str, Any]], None] | None = None
+               ) -> list[dict[str, Any]]:
     import torch
 
     from ds_canzona.kernels import newton_schulz, shampoo, syrk
@@ -248,7 +250,8 @@ def _bench_cpu(args: argparse.Namespace, on_row: Callable[[dict[str, Any]], None
                    "torch_ms": t, "torch_tflops": flops / t / 1e9}
             rows.append(row)
             print(_format_row(row), flush=True)
-            on_row(row)
+            if on_row is not None:  # the --json record, rewritten after each row
+                on_row(row)
     return rows
 
 
@@ -308,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(_header())
     # Written after every row: a sweep stopped at a time limit keeps what it measured.
     record = JsonRecord(Path(args.json), {"meta": meta}) if args.json else None
-    on_row = record.add if record is not None else (lambda row: None)
+    on_row = record.add if record is not None else None
     if device == "cuda":
         _bench_kernels(args, "cuda", _gpu_shapes(args), on_row)
     else:
