@@ -60,7 +60,11 @@ class OwnerRuntime(ZeROOptimizer):
                  dp_process_group, clip_grad: float, grad_accum_dtype: torch.dtype | None = None,
                  communication_dtype: torch.dtype | None = None, gradient_predivide_factor: float = 1.0,
                  postscale_gradients: bool = True, gradient_average: bool = True,
-                 offload: OffloadSettings | None = None, ignore_unused_parameters: bool = True):
+                 offload: OffloadSettings | None = None, ignore_unused_parameters: bool = True,
+                 members=None, average_over: int | None = None):
+        # members: the parameters this runtime trains, when it trains a part of the optimizer's
+        # (an expert-parallel family, ds_canzona.zero.expert_parallel); average_over: the ranks a
+        # gradient is averaged over, when not this group's (expert gradients: the whole DP world).
         super().__init__()
         # offload_optimizer: the owned masters and state move to the host once the subclass has built them.
         self.offload_settings = offload
@@ -88,7 +92,8 @@ class OwnerRuntime(ZeROOptimizer):
         # The model's named_parameters() order, restricted to what the optimizer trains: every
         # rank derives the same order from the same model.
         group_of = parameter_groups(optimizer)
-        self.params: list[torch.nn.Parameter] = [p for p in param_names if p in group_of and p.requires_grad]
+        self.params: list[torch.nn.Parameter] = [p for p in param_names if p in group_of and p.requires_grad
+                                                 and (members is None or p in members)]
         unknown = [p for p in group_of if p not in param_names]
         if unknown:
             raise ValueError(f"{len(unknown)} optimizer parameters are not parameters of the model")
@@ -106,7 +111,7 @@ class OwnerRuntime(ZeROOptimizer):
             raise ValueError(f"ds_canzona needs one parameter dtype across the model, found {sorted(map(str, dtypes))}")
         self.dtype = dtypes.pop()
         self.reduction = gradient_reduction(
-            param_dtype=self.dtype, world_size=self.world_size, grad_accum_dtype=grad_accum_dtype,
+            param_dtype=self.dtype, world_size=average_over or self.world_size, grad_accum_dtype=grad_accum_dtype,
             communication_dtype=communication_dtype, gradient_average=gradient_average,
             postscale_gradients=postscale_gradients, gradient_predivide_factor=gradient_predivide_factor)
 
@@ -154,21 +159,39 @@ class OwnerRuntime(ZeROOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        items, grads = self._step_gradients()
-        if self.fragments is not None:  # gradients set with deepspeed.utils.safe_set_full_grad
-            grads = self.fragments.gradients_for_step(items, grads)
-
+        items, grads = self._gradients_for_step()
         # One collective for both the overflow check and clipping: every entry is non-zero on
         # its owner only, so the all-reduced vector is exact, and its sum in plan order is the
         # same number on every rank and at every world size.
-        sq_norms = self._owned_sq_norms(items, grads)
-        if self._got_gradient is not None:  # one more entry: this rank's count of tensors without a gradient
-            missing = [name for name, got in zip(self.names, self._got_gradient) if not got]
-            sq_norms = torch.cat([sq_norms, sq_norms.new_tensor([float(len(missing))])])
+        sq_norms, missing = self._norm_vector(items, grads)
         all_reduce_sum(sq_norms, group=self.norm_group, counter=self.comm, kind="all_reduce")
-        if self._got_gradient is not None:
+        if missing is not None:
             self._raise_if_unused(missing, int(sq_norms[-1].item()))
             sq_norms = sq_norms[:-1]
+        coefficient = self._apply_norm(sq_norms)
+        if coefficient is not None:
+            self._apply_step(grads, coefficient)
+        return None
+
+    def _gradients_for_step(self) -> tuple[list[int], list[torch.Tensor]]:
+        """The owned items and their averaged fp32 gradients, reductions finished."""
+        items, grads = self._step_gradients()
+        if self.fragments is not None:  # gradients set with deepspeed.utils.safe_set_full_grad
+            grads = self.fragments.gradients_for_step(items, grads)
+        return items, grads
+
+    def _norm_vector(self, items: list[int], grads: list[torch.Tensor]) -> tuple[torch.Tensor, list[str] | None]:
+        """This rank's entries of the per-item squared norms and, when unused parameters are checked,
+        one more entry (its count of tensors without a gradient) and their names."""
+        sq_norms = self._owned_sq_norms(items, grads)
+        if self._got_gradient is None:
+            return sq_norms, None
+        missing = [name for name, got in zip(self.names, self._got_gradient) if not got]
+        return torch.cat([sq_norms, sq_norms.new_tensor([float(len(missing))])]), missing
+
+    def _apply_norm(self, sq_norms: torch.Tensor) -> float | None:
+        """From the all-reduced squared norms: the clipping coefficient, or None after an overflow
+        (the step skipped, the loss scale updated either way)."""
         # The step's one host read: the norm, which is non-finite exactly when some gradient
         # entry overflowed (see ds_canzona.optim.clipping).
         total_norm, coefficient = clip_coefficient(sq_norms, self.clip_grad)
@@ -178,11 +201,13 @@ class OwnerRuntime(ZeROOptimizer):
             self._global_grad_norm = float("inf")
             self.zero_grad()
             return None
-
         self._global_grad_norm = total_norm
-        if coefficient < 1.0:
-            torch._foreach_mul_(grads, coefficient)
+        return coefficient
 
+    def _apply_step(self, grads: list[torch.Tensor], coefficient: float) -> None:
+        """Clip, update what this rank owns, publish the new values, and get ready for the next step."""
+        if coefficient < 1.0 and grads:  # a rank may own nothing (of an expert-parallel family, say)
+            torch._foreach_mul_(grads, coefficient)
         # This is the basic optimizer's step under ZeRO; its own step() never runs. torch's LR
         # schedulers built on it (DeepSpeed hands engine.basic_optimizer to a scheduler callable,
         # the HF Trainer's among them) read this flag to check it stepped before they do.
@@ -190,7 +215,6 @@ class OwnerRuntime(ZeROOptimizer):
         self._update_and_publish(grads)
         self._applied_steps += 1
         self.zero_grad()
-        return None
 
     def _note_arrivals(self, arrivals: list[int]) -> None:
         """After a backward: remember which tensors got a gradient (``arrivals``: gradients per tensor)."""

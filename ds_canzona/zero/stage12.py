@@ -84,6 +84,8 @@ class CanzonaZeroOptimizer(OwnerRuntime):
     ``grad_accum_dtype``, ``communication_dtype``, ``postscale_gradients``,
     ``gradient_predivide_factor`` and ``gradient_average`` are the engine's values of DeepSpeed's
     keys of the same meaning (``gradient_reduction``); unset dtypes are the parameter dtype.
+    ``members`` and ``average_over``: one family of an expert-parallel model
+    (``ds_canzona.zero.expert_parallel``): these parameters only, averaged over that many ranks.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, param_names: dict, config: CanzonaConfig,
@@ -91,14 +93,16 @@ class CanzonaZeroOptimizer(OwnerRuntime):
                  static_loss_scale: float = 1.0, dynamic_loss_scale: bool = False, dynamic_loss_args=None,
                  grad_accum_dtype: torch.dtype | None = None, communication_dtype: torch.dtype | None = None,
                  gradient_predivide_factor: float = 1.0, postscale_gradients: bool = True,
-                 gradient_average: bool = True, offload=None, ignore_unused_parameters: bool = True):
+                 gradient_average: bool = True, offload=None, ignore_unused_parameters: bool = True,
+                 members=None, average_over: int | None = None):
         if stage not in (1, 2):
             raise ValueError(f"ds_canzona supports ZeRO stage 1 and 2, got {stage=}")
         super().__init__(optimizer, param_names=param_names, config=config, stage=stage,
                          dp_process_group=dp_process_group, clip_grad=clip_grad, grad_accum_dtype=grad_accum_dtype,
                          communication_dtype=communication_dtype, gradient_predivide_factor=gradient_predivide_factor,
                          postscale_gradients=postscale_gradients, gradient_average=gradient_average,
-                         offload=offload, ignore_unused_parameters=ignore_unused_parameters)
+                         offload=offload, ignore_unused_parameters=ignore_unused_parameters,
+                         members=members, average_over=average_over)
 
         self.plan = self._make_plan(bucket_numel)
         self.layout = self._buffer_layout()

@@ -1,9 +1,10 @@
 """What the engine hook accepts from the rest of a DeepSpeed setup, and what it refuses.
 
 ds_canzona replaces DeepSpeed's ZeRO-1/2/3 optimizer for data parallelism, and at stages 1 and 2
-for DeepSpeed AutoTP tensor parallelism along with it (``ds_canzona.zero.tp``). Anything else that
-would change which gradients a rank holds (expert, pipeline or sequence parallelism, a
-tensor-parallel ``mpu``, AutoTP at stage 3), that
+for DeepSpeed AutoTP tensor parallelism (``ds_canzona.zero.tp``) and DeepSpeed MoE expert
+parallelism (``ds_canzona.zero.expert_parallel``) along with it. Anything else that
+would change which gradients a rank holds (pipeline or sequence parallelism, a
+tensor-parallel ``mpu``, AutoTP or expert parallelism at stage 3, AutoEP), that
 DeepSpeed would implement by calling methods this optimizer does not have, or that DeepSpeed's own
 optimizer or checkpoint code would honour and this runtime would silently ignore, is refused here:
 one ``CanzonaConfigError`` naming the key or feature and saying what to do, raised inside
@@ -48,17 +49,35 @@ def check_config_supported(engine) -> None:
 
 
 def check_model_supported(engine) -> None:
-    """Refuse pipeline modules, and models with DeepSpeed MoE layers or expert parameters."""
+    """Refuse pipeline modules, and expert parallelism where the runtime lacks it (ZeRO-3, AutoTP, offload).
+
+    Models with ``deepspeed.moe`` layers train at stages 1 and 2 (``ds_canzona.zero.expert_parallel``).
+    """
     from deepspeed.moe.utils import is_moe_param
 
     _check_pipeline(engine)  # again: 0.19.0-0.19.3 set the flag only after _do_sanity_check
 
     experts = [name for name, p in engine.module.named_parameters() if is_moe_param(p)]
-    if getattr(engine, "has_moe_layers", False) or experts:
-        where = f", e.g. {experts[0]}" if experts else ""
-        raise _refuse(f"expert parallelism (deepspeed.moe layers in the model{where})",
-                      "their gradients would be averaged over the whole data-parallel group; use a model without "
-                      "deepspeed.moe.layer.MoE")
+    if not (getattr(engine, "has_moe_layers", False) or experts):
+        return
+    where = f" (deepspeed.moe layers in the model, e.g. {experts[0]})" if experts else " (deepspeed.moe layers)"
+    stage = engine.zero_optimization_stage()
+    if stage == 3:
+        raise _refuse(f"expert parallelism at ZeRO stage 3{where}",
+                      "use zero_optimization.stage 1 or 2, where ds_canzona trains MoE models with each expert "
+                      "owned inside its expert-data-parallel group")
+    if autotp_size(engine) > 1:
+        raise _refuse(f"expert parallelism with tensor_parallel.autotp_size {autotp_size(engine)}{where}",
+                      "use one of the two")
+    offload = engine.zero_offload_optimizer()
+    if offload is not None and str(getattr(getattr(offload, "device", "none"), "value",
+                                           getattr(offload, "device", "none"))) != "none":
+        raise _refuse(f"zero_optimization.offload_optimizer with expert parallelism{where}", "remove one of them")
+    missing = [name for name, p in engine.module.named_parameters() if is_moe_param(p) and p.requires_grad
+               and not hasattr(p, "group_name")]
+    if missing:
+        raise _refuse(f"expert parameters without DeepSpeed's expert group ({missing[0]})",
+                      "build the experts with deepspeed.moe.layer.MoE")
 
 
 # ----------------------------------------------------------------------------- the checks
