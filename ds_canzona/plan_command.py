@@ -20,6 +20,7 @@ from .plan.collectives import COLLECTIVE_SETTINGS, BucketForms, CollectiveCosts,
 from .plan.gather_groups import ALL_GATHER_GROUP_NAMES, all_gather_groups, step_launches
 from .plan.cost import COST_MODELS, DEFAULT_MACHINE_BALANCE, CostModel, cost_model
 from .plan.dp import DEFAULT_SPLIT_NUMEL, STRATEGIES, plan_dp_partitions
+from .plan.experts import plan_expert_parallel
 from .plan.memory import StateMemory, memory_model
 from .plan.models import model_specs, shipped_models
 from .plan.owners import plan_zero3_owners
@@ -36,11 +37,13 @@ PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    for flag, value in (("--dp", args.dp), ("--tp", args.tp), ("--tp-capacity-mb", args.tp_capacity_mb)):
+    for flag, value in (("--dp", args.dp), ("--tp", args.tp), ("--ep", args.ep), ("--tp-capacity-mb", args.tp_capacity_mb)):
         if value < 1:
             raise PlanError(f"Invalid {flag} {value}: must be a positive integer.")
     specs, source = _load_specs(args)
     cost = _cost_model(args)
+    if args.ep > 1:
+        return _run_expert_parallel(args, specs, source, cost)
     if args.stage == 3:
         return _run_zero3(args, specs, source, cost)
     if args.tp > 1:
@@ -104,6 +107,36 @@ def _forms_document(forms: BucketForms) -> dict[str, Any]:
                for name, summary in summaries.items()}}
 
 
+def _run_expert_parallel(args: argparse.Namespace, specs: list[ParamSpec], source: str, cost: CostModel) -> int:
+    """``--ep N``: the dense family over --dp ranks and one EP rank's experts over --dp / N (ZeRO-1/2)."""
+    if args.stage == 3 or args.tp > 1:
+        raise PlanError("--ep plans ZeRO-1/2 without tensor parallelism (ds_canzona refuses expert parallelism at "
+                        "stage 3 and with AutoTP).")
+    plan = plan_expert_parallel(specs, world_size=args.dp, ep_size=args.ep, bucket_numel=args.bucket_numel,
+                                alpha=args.alpha, strategy=args.strategy, cost=cost, split_numel=args.split_numel,
+                                memory=_memory_model(args), max_state_bytes_per_rank=args.max_state_bytes)
+    if args.json:
+        json.dump(plan.to_dict(), sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    edp = plan.experts.world_size
+    print(f"{source}: expert parallelism {args.ep} x expert-data parallelism {edp} = DP {args.dp}; each family "
+          f"planned and balanced inside its group (world rank r: EP rank r % {args.ep}, rank r // {args.ep} of "
+          "its expert-data-parallel group)")
+    if plan.dense is not None:
+        print()
+        print(format_dp_table(plan.dense, title=f"family dense: {len(plan.dense.specs)} tensors over the {args.dp} "
+                                                f"data-parallel ranks"))
+    print()
+    print(format_dp_table(plan.experts, title=f"family experts: EP rank 0's {len(plan.experts.specs)} expert tensors "
+                                               f"over its {edp} expert-data-parallel ranks (every EP rank's plan "
+                                               "has these shapes)"))
+    print()
+    print(f"per world rank (dense + experts): cost max/avg {plan.flops_ratio:.3f}, "
+          f"state bytes max/avg {plan.state_bytes_ratio:.3f}")
+    return 0
+
+
 def _run_zero3(args: argparse.Namespace, specs: list[ParamSpec], source: str, cost: CostModel) -> int:
     """The ZeRO-3 owner plan (``plan_zero3_owners``): what the stage-3 runtime would place where."""
     # What the owner layout has no use for, or the runtime refuses at stage 3, is refused here too.
@@ -130,6 +163,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     )
     source.add_argument("--model", metavar="NAME", help=f"a shipped config: {', '.join(shipped_models())}")
     parser.add_argument("--dp", type=int, default=32, metavar="R", help="data-parallel world size (default 32)")
+    parser.add_argument("--ep", type=int, default=1, metavar="N",
+                        help="expert-parallel size (DeepSpeed MoE): plan the experts within their expert-data-parallel "
+                             "group of --dp / N ranks and the dense tensors over --dp (default 1: no expert parallelism)")
     parser.add_argument(
         "--tp", type=int, default=1, metavar="T", help="tensor-parallel size; > 1 also plans micro-groups"
     )

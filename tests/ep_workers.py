@@ -206,3 +206,45 @@ def replay(optimizer: dict, grads: list[dict[str, torch.Tensor]]) -> dict[str, t
             p.grad = step_grads[n].clone()
         opt.step()
     return {n: p.detach().clone() for n, p in named}
+
+
+def save_and_resume(rank: int, world_size: int, directory: str, ep_save: int, ep_loads: list[int],
+                    steps_before: int, steps_after: int) -> list[dict]:
+    """Train ``steps_before`` steps at EP=``ep_save``, save; then for each EP size in ``ep_loads`` build a
+    fresh engine, load the checkpoint and train ``steps_after`` more steps. The parameters after each
+    (global names), and the saved manifest's tensor names."""
+    import os
+
+    import deepspeed
+
+    import ds_canzona  # noqa: F401  (registers the engine hook)
+    from ds_canzona.zero.checkpoint.format import read_meta
+
+    deepspeed.init_distributed(dist_backend="gloo")
+
+    def engine_at(ep: int):
+        engine, *_ = deepspeed.initialize(model=make_model(ep, rank % ep), config=config(world_size))
+        return engine
+
+    def steps(engine, first: int, count: int) -> None:
+        for step in range(first, first + count):
+            loss = engine(batch(step, 0, rank))
+            engine.backward(loss)
+            engine.step()
+
+    engine = engine_at(ep_save)
+    steps(engine, 0, steps_before)
+    engine.save_checkpoint(directory, tag="saved")
+    engine.destroy()
+    manifest = [t["name"] for t in read_meta(os.path.join(directory, "saved"))["tensors"]]
+    results = []
+    for ep in ep_loads:
+        engine = engine_at(ep)
+        engine.load_checkpoint(directory, tag="saved")
+        loaded_steps = engine.global_steps
+        steps(engine, steps_before, steps_after)
+        results.append({"ep": ep, "loaded_steps": loaded_steps, "manifest": manifest,
+                        "params": {global_name(n, rank % ep, ep): p.detach().clone()
+                                   for n, p in engine.module.named_parameters()}})
+        engine.destroy()
+    return results

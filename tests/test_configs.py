@@ -31,7 +31,8 @@ CONFIG_FILES = sorted(p for p in CONFIG_DIR.iterdir() if p.suffix in (".json", "
 TINY_MODEL = REPO / "examples" / "configs" / "qwen3-tiny.json"
 EXPECTED = {"zero1_muon.hjson", "zero2_muon.hjson", "zero2_muon.json", "zero2_muon_bf16.hjson",
             "zero2_muon_fp16.hjson", "zero2_muon_offload.hjson", "zero2_shampoo.hjson", "zero2_soap.hjson",
-            "zero3_muon.hjson", "zero3_muon_offload.hjson", "zero2_normuon.hjson", "zero2_adamuon.hjson"}
+            "zero3_muon.hjson", "zero3_muon_offload.hjson", "zero2_normuon.hjson", "zero2_adamuon.hjson",
+            "zero2_muon_moe.hjson"}
 MICRO_BATCH, GRAD_ACCUM, SEQ_LEN = 2, 1, 32
 
 

@@ -8,6 +8,8 @@
 - examples/hf_trainer.py (HF Trainer + ``import ds_canzona``): the loss falls, checkpoints are
   saved, and resuming from checkpoint-3 reaches the same weights at step 6 as the run that did
   not stop.
+- examples/train_moe.py (DeepSpeed MoE layers, EP=2) with ds_configs/zero2_muon_moe.hjson: the
+  loss falls and both families' plans are printed; a bad --ep ends with one line and status 2.
 - the shipped corpus and the byte tokenizer.
 
 Each launcher job gets its own master port (tests of other modules may run beside it) and its
@@ -31,6 +33,7 @@ from distributed import free_port
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "examples" / "train_qwen3.py"
 HF_TRAINER = REPO / "examples" / "hf_trainer.py"
+MOE = REPO / "examples" / "train_moe.py"
 FINAL = re.compile(r"final loss (\d+\.\d+) \(start (\d+\.\d+)\)")
 STEP = re.compile(r"^step (\d+)/\d+ loss (\S+)", re.MULTILINE)
 
@@ -170,6 +173,18 @@ def assert_usage_error(result: subprocess.CompletedProcess, *fragments: str) -> 
     assert "Traceback" not in result.stderr
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
+
+
+def test_launcher_trains_the_moe_example_with_expert_parallelism():
+    # examples/train_moe.py with ds_configs/zero2_muon_moe.hjson: DeepSpeed MoE layers, EP=2 on two
+    # ranks (each expert-data-parallel group a single rank), both families' plans printed.
+    output = launch(MOE, "--ep", "2", "--steps", "8")
+    final, start = final_losses(output)
+    assert final < start - 0.3, (final, start)
+    assert "family dense (" in output and "family ep_size_2 (" in output, output[-3000:]
+    bad = run([sys.executable, str(MOE), "--ep", "3"], timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0, bad.stderr
+    assert "--ep 3 must divide the world size 1" in bad.stderr
 
 
 def test_launcher_job_reports_bad_inputs_in_one_line(tmp_path: Path):

@@ -348,22 +348,20 @@ def build_canzona_optimizer(engine, client_optimizer, model_parameters=None):
         return basic, _build_stage3(engine, basic, numerics)
     bucket_numel = config.bucket_numel or int(engine.zero_reduce_bucket_size())
     runtime, extra = CanzonaZeroOptimizer, {}
-    param_names = engine.param_names
     if autotp_size(engine) > 1:  # AutoTP: the micro-group pipeline (ds_canzona/zero/tp.py)
         from deepspeed.utils import groups
         from ds_canzona.zero.tp import CanzonaTPZeroOptimizer
         runtime, extra = CanzonaTPZeroOptimizer, {"tp_process_group": groups.get_tensor_model_parallel_group()}
     elif getattr(engine, "has_moe_layers", False):  # a family per expert group (ds_canzona/zero/expert_parallel.py)
-        from ds_canzona.zero.expert_parallel import CanzonaExpertParallelOptimizer, expert_groups, global_expert_names
+        from ds_canzona.zero.expert_parallel import CanzonaExpertParallelOptimizer, expert_groups
         trained = {p: n for p, n in engine.param_names.items() if p.requires_grad}
         found = expert_groups(engine.module, trained)
         if found:
-            runtime, extra = CanzonaExpertParallelOptimizer, {"expert_groups": found}
-            param_names = global_expert_names(engine.module, engine.param_names, found)
+            runtime, extra = CanzonaExpertParallelOptimizer, {"expert_groups": found, "module": engine.module}
     zero = runtime(
         basic,
         **extra,
-        param_names=param_names,
+        param_names=engine.param_names,
         config=config,
         stage=engine.zero_optimization_stage(),
         dp_process_group=engine.seq_data_parallel_group,

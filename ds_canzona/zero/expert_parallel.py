@@ -43,7 +43,7 @@ from ds_canzona.zero.owned import OwnedTensor
 from ds_canzona.zero.owner_runtime import OwnerRuntime
 from ds_canzona.zero.stage12 import CanzonaZeroOptimizer
 
-__all__ = ["CanzonaExpertParallelOptimizer", "ExpertGroup", "expert_groups", "global_expert_names"]
+__all__ = ["CanzonaExpertParallelOptimizer", "ExpertGroup", "expert_groups", "expert_name", "global_expert_names"]
 
 _LOCAL_EXPERT = re.compile(r"(^|\.)deepspeed_experts\.(\d+)\.")
 
@@ -81,6 +81,12 @@ def global_expert_names(module: torch.nn.Module, param_names: Mapping[torch.nn.P
     DeepSpeed names the experts of a layer by their index on the rank (``deepspeed_experts.i``),
     so two EP ranks use the same names for different tensors; ``r * L + i`` names each once.
     """
+    return {p: name for p, (name, _) in _expert_slots(module, param_names, groups).items()}
+
+
+def _expert_slots(module: torch.nn.Module, param_names: Mapping[torch.nn.Parameter, str],
+                  groups: list[ExpertGroup]) -> dict[torch.nn.Parameter, tuple[str, tuple[int, int] | None]]:
+    """Each parameter's (name with global expert index, (L, local index) for an expert else None)."""
     from deepspeed.moe.experts import Experts
 
     ep_rank = {p: g.ep_rank for g in groups for p in g.params}
@@ -89,35 +95,46 @@ def global_expert_names(module: torch.nn.Module, param_names: Mapping[torch.nn.P
         if isinstance(sub, Experts):
             for p in sub.parameters():
                 local_count[p] = sub.num_local_experts
-    renamed = dict(param_names)
+    slots: dict[torch.nn.Parameter, tuple[str, tuple[int, int] | None]] = {p: (n, None) for p, n in param_names.items()}
     for param, rank in ep_rank.items():
         name = param_names[param]
         match = _LOCAL_EXPERT.search(name)
         if match is None or param not in local_count:
             raise ValueError(f"ds_canzona: expert parameter {name!r} is not inside a deepspeed.moe Experts module "
                              "(deepspeed_experts.<i>): its global expert index is unknown")
-        index = rank * local_count[param] + int(match.group(2))
-        renamed[param] = name[:match.start(2)] + str(index) + name[match.end(2):]
-    return renamed
+        local = int(match.group(2))
+        index = rank * local_count[param] + local
+        slots[param] = (name[:match.start(2)] + str(index) + name[match.end(2):], (local_count[param], local))
+    return slots
+
+
+def expert_name(name: str, index: int) -> str:
+    """``name`` (an expert tensor's, with its global index) for expert ``index`` of the same layer."""
+    match = _LOCAL_EXPERT.search(name)
+    return name[:match.start(2)] + str(index) + name[match.end(2):]
 
 
 class CanzonaExpertParallelOptimizer(OwnerRuntime):
     """The ZeRO-1/2 optimizer of a model with expert parallelism: a dense family and one per expert group."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, param_names: dict, config, stage: int,
-                 dp_process_group, clip_grad: float, bucket_numel: int, expert_groups: list[ExpertGroup],
+    def __init__(self, optimizer: torch.optim.Optimizer, *, module: torch.nn.Module, param_names: dict, config,
+                 stage: int, dp_process_group, clip_grad: float, bucket_numel: int, expert_groups: list[ExpertGroup],
                  static_loss_scale: float = 1.0, dynamic_loss_scale: bool = False, dynamic_loss_args=None,
                  **numerics):
+        """``param_names``: DeepSpeed's (local expert indices); experts are renamed here (``global_expert_names``)."""
         if not expert_groups:
             raise ValueError("CanzonaExpertParallelOptimizer needs at least one expert group")
+        slots = _expert_slots(module, param_names, expert_groups)
+        param_names = {p: name for p, (name, _) in slots.items()}
         super().__init__(optimizer, param_names=param_names, config=config, stage=stage,
                          dp_process_group=dp_process_group, clip_grad=clip_grad, **numerics)
         self._create_loss_scaler(static_loss_scale=static_loss_scale, dynamic_loss_scale=dynamic_loss_scale,
                                  dynamic_loss_args=dynamic_loss_args)
         self.expert_groups = list(expert_groups)
         experts = {p for g in self.expert_groups for p in g.params}
-        family = dict(optimizer=optimizer, param_names=param_names, config=config, stage=stage, clip_grad=clip_grad,
-                      bucket_numel=bucket_numel, **numerics)
+        # The families stay quiet at init: this runtime prints all of their plans at once.
+        family = dict(optimizer=optimizer, param_names=param_names, config=config.model_copy(update={"log_plan": False}),
+                      stage=stage, clip_grad=clip_grad, bucket_numel=bucket_numel, **numerics)
         dense = [p for p in self.params if p not in experts]
         self.families: list[CanzonaZeroOptimizer] = []
         self.family_names: list[str] = []
@@ -136,8 +153,20 @@ class CanzonaExpertParallelOptimizer(OwnerRuntime):
             runtime.is_gradient_accumulation_boundary = lambda: at_accumulation_boundary(self)
         self._ep_layout = [(1, 0)] * (1 if dense else 0) + [(g.ep_size, g.ep_rank) for g in self.expert_groups]
         self._index = {id(p): i for i, p in enumerate(self.params)}
+        ep_size = {p: g.ep_size for g in self.expert_groups for p in g.params}
+        # Every expert tensor of the model, on every EP rank, by global name: what a checkpoint holds.
+        self._model_shapes: dict[str, list[int]] = {}
+        for p, name in zip(self.params, self.names):
+            slot = slots[p][1]
+            if slot is None:
+                self._model_shapes[name] = list(p.shape)
+                continue
+            local_experts, local = slot
+            for rank in range(ep_size[p]):
+                self._model_shapes[expert_name(name, rank * local_experts + local)] = list(p.shape)
         self.plan = self.families[0].plan  # the first family's, for tools that read one (plan_summary has all)
         self._expose_state_api()  # the families set their own; this one answers for all of them
+        self._print_plan_summary()
 
     # ------------------------------------------------------------------ backward (the engine's hooks)
     def backward_epilogue(self, **kwargs) -> None:
@@ -209,7 +238,9 @@ class CanzonaExpertParallelOptimizer(OwnerRuntime):
                 for runtime in self.families for t in runtime.owned_tensors()]
 
     def plan_summary(self) -> str:
-        lines = []
+        """Each family's plan on this rank (rank 0 prints it at init: the dense family and EP rank 0's experts)."""
+        lines = [f"ds_canzona expert parallelism: {len(self.families)} families, one norm all-reduce over the "
+                 f"{self.world_size} data-parallel ranks per step"]
         for name, runtime, (ep_size, ep_rank) in zip(self.family_names, self.families, self._ep_layout):
             where = "data-parallel group" if ep_size == 1 else (f"expert-data-parallel group of EP rank {ep_rank} "
                                                                f"of {ep_size}")
@@ -217,12 +248,23 @@ class CanzonaExpertParallelOptimizer(OwnerRuntime):
             lines.append(runtime.plan_summary())
         return "\n".join(lines)
 
-    # ------------------------------------------------------------------ checkpoints
-    def checkpoint_ranks(self):
-        raise NotImplementedError(
-            "ds_canzona: engine.save_checkpoint / load_checkpoint with expert parallelism are not supported yet; "
-            "the optimizer state is readable through engine.optimizer.state_dict() (each rank's owned tensors, "
-            "experts named by their global index)")
+    # ------------------------------------------------------------------ checkpoints (zero/checkpoint/engine.py)
+    # Every rank writes one shard of what it owns in every family (experts by global name), so a
+    # checkpoint lists each tensor of the model once and loads at any EP and DP size: each rank
+    # then reads its owned items by name.
+    def checkpoint_parts(self) -> list[CanzonaZeroOptimizer]:
+        """The runtimes whose plan items a load reads into, each with its own plan."""
+        return list(self.families)
+
+    def model_shapes(self) -> dict[str, list[int]]:
+        """Every trained tensor of the model by name, the experts of every EP rank included."""
+        return dict(self._model_shapes)
+
+    def owned_entry_keys(self) -> list[tuple[int, int, int]]:
+        """A key per item of ``checkpoint_items()`` that orders the manifest the same whoever wrote it:
+        (family, EP rank, plan item)."""
+        return [(f, self._ep_layout[f][1], t.index) for f, runtime in enumerate(self.families)
+                for t in runtime.owned_tensors()]
 
     def state_dict(self) -> dict:
         state = super().state_dict()

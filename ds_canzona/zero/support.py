@@ -166,7 +166,12 @@ def _check_pipeline(engine) -> None:
 def _check_parallelism(engine, params: dict[str, Any]) -> None:
     _check_pipeline(engine)  # DeepSpeed 0.19.4+ set the flag before _do_sanity_check
     if bool((params.get("expert_parallel") or {}).get("enabled", False)):
-        raise _refuse("expert_parallel.enabled (AutoEP)", "set it to false")
+        # Probed with scripts/autoep_probe.py: DeepSpeed 0.19.8's AutoEP fails inside deepspeed.initialize with
+        # transformers 5.24-5.25 (its presets call transformers' _CanRecordRegistry.get with a default), before
+        # any optimizer is built, with or without this section; nothing of it could be tested here.
+        raise _refuse("expert_parallel.enabled (AutoEP)",
+                      "build the MoE layers with deepspeed.moe.layer.MoE, which ds_canzona trains at stages 1 and 2 "
+                      "(DeepSpeed 0.19.8's AutoEP does not initialize with transformers 5.24-5.25), or set it to false")
     autotp = autotp_size(engine)
     if autotp > 1:
         _check_autotp(engine, autotp)

@@ -107,14 +107,61 @@ def _batch(engine, zero) -> dict[str, int]:
                         accumulation=engine.gradient_accumulation_steps(), ranks=zero.world_size)
 
 
+def _owned_entries(zero) -> list:
+    """What this rank contributes to the manifest's tensor list (no collective).
+
+    Without expert parallelism rank 0 can tell every item's entry alone (the plan is the same on
+    every rank): all of them there, nothing elsewhere. An expert-parallel runtime's other EP ranks
+    own other experts, so each rank gives (order key, entry) for what it owns and
+    ``_gathered_entries`` collects them.
+    """
+    group_index = {id(g): i for i, g in enumerate(zero.optimizer.param_groups)}
+    if not hasattr(zero, "checkpoint_parts"):
+        return [_item_entry(zero, item, group_index) for item in range(len(zero.plan.specs))] if zero.rank == 0 else []
+    mine = []
+    keys = iter(zero.owned_entry_keys())
+    for part in zero.checkpoint_parts():
+        for owned in part.owned_tensors():
+            entry = _item_entry(part, owned.index, group_index)
+            entry["file"] = zero.rank  # this rank's shard, whichever group the item's plan is over
+            mine.append((next(keys), entry))
+    return mine
+
+
+def _gathered_entries(zero, mine: list | None) -> list:
+    """Every rank's ``_owned_entries`` where they must be collected (a collective every rank reaches,
+    ``None`` from a rank that failed before), in one order; else this rank's own."""
+    if not hasattr(zero, "checkpoint_parts"):
+        return mine or []
+    import deepspeed.comm as dist
+
+    everyone: list = [None] * zero.world_size
+    dist.all_gather_object(everyone, mine, group=zero.dp_process_group)
+    if any(rank is None for rank in everyone):
+        return []  # the agreement after this reports the failure
+    return [entry for _, entry in sorted((pair for rank in everyone for pair in rank), key=lambda pair: pair[0])]
+
+
+def _model_shapes(zero) -> dict[str, list[int]]:
+    """The trained tensors of the whole model by name, as the manifest must list them."""
+    if hasattr(zero, "model_shapes"):
+        return zero.model_shapes()
+    return {n: list(s) for n, s in zip(zero.names, zero.logical_shapes)}
+
+
+def _load_parts(zero) -> list:
+    """The runtimes whose plans say what a rank reads (one, or an expert-parallel runtime's families)."""
+    return zero.checkpoint_parts() if hasattr(zero, "checkpoint_parts") else [zero]
+
+
 def _build_meta(engine, zero, tag: str, client_state: dict | None, exclude_frozen: bool,
-                extra: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict[str, Any]:
+                extra: dict[str, torch.Tensor], aliases: dict[str, str], entries: list[dict[str, Any]]
+                ) -> dict[str, Any]:
     """The manifest; a ZeRO-3 frozen parameter's value is None here, filled in once gathered."""
     import deepspeed
 
     import ds_canzona
 
-    group_index = {id(g): i for i, g in enumerate(zero.optimizer.param_groups)}
     scheduler = getattr(engine, "lr_scheduler", None)
     return {
         "format": FORMAT,
@@ -127,7 +174,7 @@ def _build_meta(engine, zero, tag: str, client_state: dict | None, exclude_froze
         "plan": _plan_record(zero.plan, zero.stage),
         "param_dtype": str(zero.dtype).removeprefix("torch."),
         "files": [],  # set after the shards are written
-        "tensors": [_item_entry(zero, item, group_index) for item in range(len(zero.plan.specs))],
+        "tensors": entries,
         "param_groups": [_group_settings(g) for g in zero.optimizer.param_groups],
         "loss_scaler": _loss_scaler_state(zero.loss_scaler),
         "engine": {"global_steps": int(engine.global_steps), "global_samples": int(engine.global_samples),
@@ -176,7 +223,7 @@ def save_engine_checkpoint(engine, save_dir, *, tag=None, client_state: dict | N
     zero = engine.optimizer
     ranks = _agreement(zero)
     error: BaseException | None = None
-    payload = meta = None
+    payload = meta = mine = None
     frozen = []
     frozen_digest = 0
     ckpt_dir = ""
@@ -194,11 +241,16 @@ def save_engine_checkpoint(engine, save_dir, *, tag=None, client_state: dict | N
         extra, aliases = _module_extra(engine, zero, exclude_frozen=exclude_frozen_parameters)
         frozen = partitioned_frozen(extra)
         frozen_digest = digest(frozen)
-        if ranks.rank == 0:
-            meta = _build_meta(engine, zero, tag, client_state, exclude_frozen_parameters, extra, aliases)
-            serialize_meta(meta)
+        mine = _owned_entries(zero)
     except Exception as caught:
         error = caught
+    entries = _gathered_entries(zero, mine if error is None else None)
+    if ranks.rank == 0 and error is None:
+        try:
+            meta = _build_meta(engine, zero, tag, client_state, exclude_frozen_parameters, extra, aliases, entries)
+            serialize_meta(meta)
+        except Exception as caught:
+            error = caught
     rows = ranks.gather([error is None, tag_hash(tag), secrets.randbits(62), frozen_digest])
     ranks.check(rows, error, "preparing the checkpoint")
     if len(set(rows[:, 1].tolist())) != 1:
@@ -379,10 +431,11 @@ def load_engine_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bo
         found = resolved is not None
         if found:
             ckpt = Checkpoint(os.path.join(load_dir, resolved), read_meta(os.path.join(load_dir, resolved)))
-            check_same_model(ckpt.meta, {n: list(s) for n, s in zip(zero.names, zero.logical_shapes)}, ckpt.directory)
+            check_same_model(ckpt.meta, _model_shapes(zero), ckpt.directory)
             if with_state:
                 _check_kinds(ckpt, zero)
-            _check_owned_reads(ckpt, zero.load_targets(), with_state, zero)
+            for part in _load_parts(zero):
+                _check_owned_reads(ckpt, part.load_targets(), with_state, part)
             current_extra, _ = _module_extra(engine, zero)
             saved_extra = ckpt.meta.get("module_extra") or {}
             missing = {k for k in set(current_extra) - set(saved_extra)
@@ -408,7 +461,8 @@ def load_engine_checkpoint(engine, load_dir, *, tag=None, load_module_strict: bo
         return None, None
 
     try:
-        _copy_owned(ckpt, zero.load_targets(), with_state, zero)
+        for part in _load_parts(zero):
+            _copy_owned(ckpt, part.load_targets(), with_state, part)
         # ZeRO-3 frozen parameters: each rank writes its slice of the full value (no collective).
         for key in [k for k in extra if is_partitioned(current_extra[k])]:
             write_full_value(current_extra[key], extra.pop(key))
