@@ -235,6 +235,7 @@ def save_and_resume(rank: int, world_size: int, directory: str, ep_save: int, ep
     engine = engine_at(ep_save)
     steps(engine, 0, steps_before)
     engine.save_checkpoint(directory, tag="saved")
+    at_save = {global_name(n, rank % ep_save, ep_save): p.detach().clone() for n, p in engine.module.named_parameters()}
     engine.destroy()
     manifest = [t["name"] for t in read_meta(os.path.join(directory, "saved"))["tensors"]]
     results = []
@@ -243,7 +244,7 @@ def save_and_resume(rank: int, world_size: int, directory: str, ep_save: int, ep
         engine.load_checkpoint(directory, tag="saved")
         loaded_steps = engine.global_steps
         steps(engine, steps_before, steps_after)
-        results.append({"ep": ep, "loaded_steps": loaded_steps, "manifest": manifest,
+        results.append({"ep": ep, "loaded_steps": loaded_steps, "manifest": manifest, "at_save": at_save,
                         "params": {global_name(n, rank % ep, ep): p.detach().clone()
                                    for n, p in engine.module.named_parameters()}})
         engine.destroy()

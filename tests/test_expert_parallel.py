@@ -175,6 +175,13 @@ def test_checkpoints_reshard_across_expert_parallel_sizes(runs, reference, tmp_p
     ranks = run_ranks(save_and_resume, WORLD, str(tmp_path), 2, [2, 4, 1], 2, 1, timeout=900)
     manifest = ranks[0][0]["manifest"]
     assert sorted(manifest) == sorted(_whole(runs["ep2_stage2"])) and len(manifest) == len(set(manifest))
+    # Consolidated in one process: the whole model by global names, the values at the save.
+    from ds_canzona.consolidate import fp32_state_dict_from_checkpoint
+
+    consolidated = fp32_state_dict_from_checkpoint(str(tmp_path), tag="saved")
+    at_save = _whole([{"params": rank[0]["at_save"]} for rank in ranks])
+    assert consolidated.keys() == at_save.keys()
+    assert all(torch.equal(consolidated[n], at_save[n]) for n in at_save)
     uninterrupted = _whole(runs["ep2_stage2"])
     for k, ep in enumerate([2, 4, 1]):
         resumed = _whole([rank[k] for rank in ranks])
