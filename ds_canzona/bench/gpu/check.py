@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -134,10 +135,13 @@ def _device(dry: bool) -> str:
 
 
 def validate_dtypes(dtypes: Sequence[str], ops: Sequence[str] | None, *, dry: bool, device: str,
-                    on_row: Callable[[dict[str, Any]], None] | None = None
+                    on_row: Callable[[dict[str, Any]], None] | None = None, row_queue=None
                     ) -> tuple[list[dict[str, Any]], str | None]:
     """The validation cases of ``dtypes``, backend ``triton`` then ``default``, in this process;
-    the rows and the kernels' backend report. A worker process runs this for its dtype."""
+    the rows and the kernels' backend report. A worker process runs this for its dtype and puts
+    each row on ``row_queue`` as it is judged (the parent records it at once)."""
+    if row_queue is not None:
+        on_row = row_queue.put
     import torch
 
     from . import validate
@@ -179,7 +183,9 @@ def _validate_in_workers(dtypes: Sequence[str], ops: Sequence[str] | None, *, wo
                          on_rows: Callable[[list[dict[str, Any]]], None]) -> tuple[list[dict[str, Any]], list[str]]:
     """Each dtype in a spawned process of its own, ``workers`` at a time: Triton compiles each
     process's kernels on its own CPU core (compilation, not the GPU, is most of this phase), and a
-    crash or a poisoned CUDA context costs only that dtype's cases, which are then failed rows."""
+    crash or a poisoned CUDA context costs only that dtype's remaining cases, which are then failed
+    rows. Every row reaches ``on_rows`` as soon as it is judged (through a queue), so a phase
+    stopped at its limit keeps the rows its workers finished."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
@@ -188,23 +194,44 @@ def _validate_in_workers(dtypes: Sequence[str], ops: Sequence[str] | None, *, wo
     rows: list[dict[str, Any]] = []
     reports = []
     spawn = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
-    with ProcessPoolExecutor(max_workers=min(workers, len(dtypes)), mp_context=spawn) as pool:
-        futures = {pool.submit(validate_dtypes, [dtype], ops, dry=dry, device=device): dtype for dtype in dtypes}
-        for future in as_completed(futures):  # each dtype's rows recorded as soon as its worker is done
-            dtype = futures[future]
-            try:
-                group_rows, report = future.result()
-            except Exception as error:  # the worker died or raised before its first case
-                reason = f"worker for {dtype} failed: {type(error).__name__}: {' '.join(str(error).split())[:300]}"
-                group_rows = [{"case": case.name, "op": case.op, "dtype": dtype, "shape": list(case.shape),
-                               "variant": case.variant, "backend": backend, "passed": False, "reason": reason}
-                              for backend in ("triton", "default")
-                              for case in validate.cases(dry=dry, ops=ops, dtypes=[dtype])]
-                report = None
-            rows += group_rows
-            on_rows(group_rows)
-            if report:
-                reports.append(f"[{dtype} worker]\n{report}")
+    streamed: dict[str, list[dict[str, Any]]] = {dtype: [] for dtype in dtypes}
+
+    def drain(queue) -> None:
+        for row in iter(queue.get, None):
+            streamed[row["dtype"]].append(row)
+            on_rows([row])
+
+    with spawn.Manager() as manager:
+        queue = manager.Queue()
+        reader = threading.Thread(target=drain, args=(queue,), daemon=True)
+        reader.start()
+        with ProcessPoolExecutor(max_workers=min(workers, len(dtypes)), mp_context=spawn) as pool:
+            futures = {pool.submit(validate_dtypes, [dtype], ops, dry=dry, device=device, row_queue=queue): dtype
+                       for dtype in dtypes}
+            outcomes = {}
+            for future in as_completed(futures):
+                try:
+                    outcomes[futures[future]] = future.result()
+                except Exception as error:  # the worker died or raised
+                    outcomes[futures[future]] = error
+        queue.put(None)
+        reader.join()
+    for dtype in dtypes:  # in dtype order: the final file does not depend on which worker finished first
+        outcome = outcomes[dtype]
+        if isinstance(outcome, Exception):
+            reason = f"worker for {dtype} failed: {type(outcome).__name__}: {' '.join(str(outcome).split())[:300]}"
+            done = {(r["case"], r["backend"]) for r in streamed[dtype]}
+            lost = [{"case": case.name, "op": case.op, "dtype": dtype, "shape": list(case.shape),
+                     "variant": case.variant, "backend": backend, "passed": False, "reason": reason}
+                    for backend in ("triton", "default")
+                    for case in validate.cases(dry=dry, ops=ops, dtypes=[dtype]) if (case.name, backend) not in done]
+            on_rows(lost)
+            rows += streamed[dtype] + lost
+            continue
+        group_rows, report = outcome
+        rows += group_rows
+        if report:
+            reports.append(f"[{dtype} worker]\n{report}")
     return rows, reports
 
 
@@ -235,6 +262,7 @@ def _run_validate(args: argparse.Namespace) -> int:
                                              on_rows=record.extend)
     report = "\n".join(reports) or None
     _print("backend report:\n" + report if report else "backend report: kernels.backend_report() not available")
+    record.rows = rows  # as streamed, then in dtype order
     return _result("validate", rows, time.perf_counter() - started, record.finish(backend_report=report))
 
 
