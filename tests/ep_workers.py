@@ -83,9 +83,11 @@ def batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def config(world_size: int, *, stage: int = 2, canzona: bool = True, optimizer: dict | None = None, ga: int = 1,
-           **changes) -> dict:
+           offload: bool = False, **changes) -> dict:
     cfg = copy.deepcopy(BASE)
     cfg["zero_optimization"]["stage"] = stage
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     cfg["gradient_accumulation_steps"] = ga
     cfg["train_batch_size"] = MICRO_BATCH * world_size * ga
     if optimizer is not None:
@@ -146,6 +148,7 @@ def train(rank: int, world_size: int, runs: list[dict]) -> list[dict]:
             result["owned"] = sorted(t.name for t in zero.owned_tensors())
             result["state_names"] = sorted(zero.state_dict()["state"])
             result["grad_norm"] = float(zero._global_grad_norm)
+            result["offloaded"] = [runtime.offload is not None for runtime in zero.families]
         results.append(result)
         engine.destroy()
     return results

@@ -3,7 +3,7 @@
 One spawn of 4 CPU ranks trains the model of tests/ep_workers.py (a dense projection, one
 ``deepspeed.moe.layer.MoE`` with 4 experts, a dense head) several times: EP=2 x DP=2 at stages 2
 and 1, EP=4 (each expert-data-parallel group a single rank), EP=1 (every expert on every rank),
-gradient accumulation, Shampoo and SOAP on the experts, and DeepSpeed 0.19.8's own Muon under the
+gradient accumulation, optimizer offload (bit for bit the run without it), Shampoo and SOAP on the experts, and DeepSpeed 0.19.8's own Muon under the
 same EP config (Newton-Schulz forced to fp32 in both, so only the distribution differs). Shampoo
 and SOAP are checked the other way (see their test): the averaged gradients replayed through the
 single-process optimizer give the distributed parameters bit for bit.
@@ -49,6 +49,7 @@ RUNS = {
     "ep2_soap": {"ep": 2, "steps": STEPS, "capture": True,
                  "config": config(WORLD, optimizer=SOAP, gradient_clipping=0.0)},
     "ep2_noclip": {"ep": 2, "steps": STEPS, "config": config(WORLD, gradient_clipping=0.0)},
+    "ep2_offload": {"ep": 2, "steps": STEPS, "config": config(WORLD, offload=True)},
     "deepspeed_muon_noclip": {"ep": 2, "steps": STEPS, "deepspeed_muon_fp32": True,
                               "config": config(WORLD, canzona=False, gradient_clipping=0.0)},
 }
@@ -130,6 +131,15 @@ def test_shampoo_and_soap_steps_are_bitwise_the_single_process_rule_on_the_avera
     for name in want:
         assert not torch.equal(want[name], initial[name]), f"{name} did not move"
         assert torch.equal(got[name], want[name]), name
+
+
+def test_optimizer_offload_is_bitwise_the_run_without_it(runs) -> None:
+    # Each family offloads its own owned masters and state (zero/offload.py), as without MoE.
+    assert all(rank["offloaded"] == [True, True] for rank in runs["ep2_offload"])
+    assert all(rank["offloaded"] == [False, False] for rank in runs["ep2_stage2"])
+    offloaded, on_device = _whole(runs["ep2_offload"]), _whole(runs["ep2_stage2"])
+    assert offloaded.keys() == on_device.keys()
+    assert all(torch.equal(offloaded[n], on_device[n]) for n in on_device)
 
 
 def test_deepspeed_muon_under_the_same_ep_config_agrees(runs, reference) -> None:

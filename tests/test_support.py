@@ -65,10 +65,8 @@ REFUSED = [
      "canzona.max_state_bytes_per_rank"),
     ("no optimizer", {"optimizer": None}, {}, {}, "needs an optimizer"),
     ("pipeline module", {}, {}, {"model": "pipeline"}, "pipeline parallelism"),
-    # MoE trains at stages 1 and 2 (tests/test_expert_parallel.py); not at stage 3 or with offload.
+    # MoE trains at stages 1 and 2, with offload too (tests/test_expert_parallel.py); not at stage 3.
     ("moe layers at stage 3", {}, {"stage": 3}, {"model": "moe"}, "expert parallelism at ZeRO stage 3"),
-    ("moe layers with offload", {}, {"offload_optimizer": {"device": "cpu"}}, {"model": "moe"},
-     "offload_optimizer with expert parallelism"),
     ("autoep", {"expert_parallel": {"enabled": True}}, {}, {}, "expert_parallel.enabled"),
     # AutoTP itself is supported (tests/test_tp.py); with an mpu of the user's it is not.
     ("autotp with an mpu", {"tensor_parallel": {"autotp_size": 2}}, {}, {"mpu": {}}, "together with an mpu"),

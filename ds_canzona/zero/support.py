@@ -49,7 +49,7 @@ def check_config_supported(engine) -> None:
 
 
 def check_model_supported(engine) -> None:
-    """Refuse pipeline modules, and expert parallelism where the runtime lacks it (ZeRO-3, AutoTP, offload).
+    """Refuse pipeline modules, and expert parallelism where the runtime lacks it (ZeRO-3, AutoTP).
 
     Models with ``deepspeed.moe`` layers train at stages 1 and 2 (``ds_canzona.zero.expert_parallel``).
     """
@@ -69,10 +69,6 @@ def check_model_supported(engine) -> None:
     if autotp_size(engine) > 1:
         raise _refuse(f"expert parallelism with tensor_parallel.autotp_size {autotp_size(engine)}{where}",
                       "use one of the two")
-    offload = engine.zero_offload_optimizer()
-    if offload is not None and str(getattr(getattr(offload, "device", "none"), "value",
-                                           getattr(offload, "device", "none"))) != "none":
-        raise _refuse(f"zero_optimization.offload_optimizer with expert parallelism{where}", "remove one of them")
     missing = [name for name, p in engine.module.named_parameters() if is_moe_param(p) and p.requires_grad
                and not hasattr(p, "group_name")]
     if missing:
