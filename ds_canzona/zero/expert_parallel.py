@@ -43,7 +43,7 @@ from ds_canzona.zero.owned import OwnedTensor
 from ds_canzona.zero.owner_runtime import OwnerRuntime
 from ds_canzona.zero.stage12 import CanzonaZeroOptimizer
 
-__all__ = ["CanzonaExpertParallelOptimizer", "ExpertGroup", "expert_groups", "expert_name", "global_expert_names"]
+__all__ = ["CanzonaExpertParallelOptimizer", "ExpertGroup", "expert_groups", "expert_name"]
 
 _LOCAL_EXPERT = re.compile(r"(^|\.)deepspeed_experts\.(\d+)\.")
 
@@ -74,19 +74,13 @@ def expert_groups(module: torch.nn.Module, trained: Mapping[torch.nn.Parameter, 
             for name, params in by_name.items()]
 
 
-def global_expert_names(module: torch.nn.Module, param_names: Mapping[torch.nn.Parameter, str],
-                        groups: list[ExpertGroup]) -> dict[torch.nn.Parameter, str]:
-    """``param_names`` with each expert tensor's local expert index replaced by its global one.
+def _expert_slots(module: torch.nn.Module, param_names: Mapping[torch.nn.Parameter, str],
+                  groups: list[ExpertGroup]) -> dict[torch.nn.Parameter, tuple[str, tuple[int, int] | None]]:
+    """Each parameter's (name with global expert index, (L, local index) for an expert else None).
 
     DeepSpeed names the experts of a layer by their index on the rank (``deepspeed_experts.i``),
     so two EP ranks use the same names for different tensors; ``r * L + i`` names each once.
     """
-    return {p: name for p, (name, _) in _expert_slots(module, param_names, groups).items()}
-
-
-def _expert_slots(module: torch.nn.Module, param_names: Mapping[torch.nn.Parameter, str],
-                  groups: list[ExpertGroup]) -> dict[torch.nn.Parameter, tuple[str, tuple[int, int] | None]]:
-    """Each parameter's (name with global expert index, (L, local index) for an expert else None)."""
     from deepspeed.moe.experts import Experts
 
     ep_rank = {p: g.ep_rank for g in groups for p in g.params}
@@ -121,7 +115,7 @@ class CanzonaExpertParallelOptimizer(OwnerRuntime):
                  stage: int, dp_process_group, clip_grad: float, bucket_numel: int, expert_groups: list[ExpertGroup],
                  static_loss_scale: float = 1.0, dynamic_loss_scale: bool = False, dynamic_loss_args=None,
                  **numerics):
-        """``param_names``: DeepSpeed's (local expert indices); experts are renamed here (``global_expert_names``)."""
+        """``param_names``: DeepSpeed's (local expert indices); experts are renamed here (``_expert_slots``)."""
         if not expert_groups:
             raise ValueError("CanzonaExpertParallelOptimizer needs at least one expert group")
         slots = _expert_slots(module, param_names, expert_groups)
