@@ -33,9 +33,10 @@ A second spawn (rank 0 of TP=2 x DP=2; 14 s at a load average of 7, 92 s at 25) 
 cells, both systems at stage 2 with real tensors, and ds_canzona's under FakeTensorMode too:
 
 - ds_canzona: on the TP group in the step, the ``all_to_all_single`` launches of its TP plan's
-  micro-groups (``tp_plans``: the gathers of slices to the hosts and the scatters back, a scatter
-  sharing its launch with the gather two groups on: groups + 2); on the DP group, its buckets'
-  collectives as above, over the local slices' cuts; one norm all-reduce over the whole world;
+  micro-groups (``tp_plans``: the gathers of slices to the hosts and the scatters back, the first two
+  gathers in one launch and a scatter sharing its launch with the gather two groups on: groups + 1);
+  on the DP group, its buckets' collectives as above, over the local slices' cuts; one norm
+  all-reduce over the whole world;
 - both systems: in forward and backward on the TP group, AutoTP's own collectives (the model's):
   the same calls for ds_canzona and for DeepSpeed; nothing on the DP group in forward;
 - DeepSpeed: its all-gathers of the flat bf16 groups and its gradient all-reduces over DP carry

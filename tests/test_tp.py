@@ -170,12 +170,12 @@ def test_tp2_dp2_step_collectives(tp2_dp2):
 
     """Per step (the boundary reduction and engine.step): one norm all-reduce, the DP collectives
     of ZeRO-1 (a reduce-scatter per bucket; gloo's uneven all-gather is one broadcast per non-empty
-    segment) and the micro-groups' all-to-alls (groups + 2); nothing else."""
+    segment) and the micro-groups' all-to-alls (groups + 1 above one group); nothing else."""
     for rank in scenario(tp2_dp2, 5):
         for calls in rank["calls"]:
             assert set(calls) == {"all_reduce", "reduce_scatter", "broadcast", "all_to_all"}, calls
             assert calls["all_reduce"] == 1
-            # gather 0, gather 1, then scatter k with gather k+2 in one launch: groups + 2 (2 for one group)
+            # gathers 0 and 1 in one launch, then scatter k with gather k+2 in one: groups + 1 (2 for one group)
             assert calls["all_to_all"] == MicroGroupExchange.launches_per_step(rank["micro_groups"])
             assert calls["reduce_scatter"] == rank["buckets"]
             assert calls["broadcast"] == rank["segments"]

@@ -39,6 +39,7 @@ all-to-alls per micro-group over TP.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import torch
@@ -187,9 +188,10 @@ class CanzonaTPZeroOptimizer(CanzonaZeroOptimizer):
 
     def _update_owned(self, grads: list[torch.Tensor]) -> None:
         local = len(self._owned)
-        super()._update_owned(grads[:local])
         slices = dict(zip(self._tp_items, grads[local:]))
-        self.exchange.run(slices, self._update_hosted, self._write_slice)
+        # The items that are not TP-sharded are updated while the first gathers travel.
+        self.exchange.run(slices, self._update_hosted, self._write_slice,
+                          local_work=functools.partial(super()._update_owned, grads[:local]))
 
     def _update_hosted(self, full_grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """The per-tensor rule on the whole matrices of one micro-group this rank hosts, group by group."""

@@ -14,12 +14,22 @@ travel in micro-groups. Per micro-group there are two messages on the TP group, 
 
 Split sizes may be zero (a rank past the KV-head count holds an empty slice; a rank that hosts
 nothing in a group receives nothing). The exchange is pipelined: the gather of group k+1 is
-launched before group k is computed, and the scatter of group k is completed only after group k+1
+in flight while group k is computed, and the scatter of group k is completed only after group k+1
 has been launched, so on a backend with asynchronous collectives the communication of one group
-runs behind the computation of another. The scatter of group k and the gather of group k+2 leave
-at the same moment (after update k), so they go as one all_to_all_single, each rank's segment
-holding the scatter's part and then the gather's: a step is n + 2 launches for n groups, not 2n,
-the same bytes, the same overlap.
+runs behind the computation of another. Messages that leave at the same moment share one
+all_to_all_single, each rank's segment holding them back to back: the gathers of groups 0 and 1
+go first, together, and the step's local work (the items that are not TP-sharded) runs while they
+travel; after update k the scatter of group k goes with the gather of group k+2. A step is n + 1
+launches for n >= 2 groups (2 for one), not 2n, with the same bytes.
+
+Why the first two gathers share a launch. Sent as two launches after the local work (as before),
+the first gather was exposed whole and the second rode behind update 0; sent as one launch
+before the local work, both ride behind it, and update 0 waits only for what the local work did
+not hide of the two. One launch fewer keeps the step within DeepSpeed's launch count under AutoTP
+(docs/BENCHMARKS.md, Qwen3-8B at TP 2 x DP 8: 344, DeepSpeed 344). The local work is uneven
+across DP ranks (the embedding's owner has the most), so a rank with little of it waits for both
+gathers: at most the second gather's bytes more than a schedule launching the two separately
+before the local work would, one launch (tens of microseconds on NCCL) fewer.
 
 Streams (CUDA): the exchange runs inside the optimizer step, on the compute stream. An
 asynchronous NCCL collective starts after the work queued so far on the stream that issues it
@@ -110,8 +120,8 @@ class MicroGroupExchange:
 
     @staticmethod
     def launches_per_step(groups: int) -> int:
-        """All-to-alls of one step's exchange of ``groups`` micro-groups (``run``): 2 for one, groups + 2 above."""
-        return 0 if groups == 0 else 2 if groups == 1 else groups + 2
+        """All-to-alls of one step's exchange of ``groups`` micro-groups (``run``): 2 for one, groups + 1 above."""
+        return 0 if groups == 0 else 2 if groups == 1 else groups + 1
 
     # ------------------------------------------------------------------ messages and launches
     def _launch(self, messages: list[_Message]) -> _InFlight:
@@ -192,20 +202,25 @@ class MicroGroupExchange:
             full.update(self.finish_gather(k, self.launch_gather(k, slices)))
         return full
 
-    def run(self, slices: dict[int, torch.Tensor], update: HostUpdate, write: SliceWriter) -> None:
+    def run(self, slices: dict[int, torch.Tensor], update: HostUpdate, write: SliceWriter,
+            local_work: Callable[[], None] | None = None) -> None:
         """One optimizer step of the TP-sharded matrices: gather, update on the hosts, scatter, pipelined.
 
-        Collective order on every rank: gather 0, gather 1, then after each update k one launch of
-        scatter k with gather k+2 (while there is one), so n groups take n + 2 all-to-alls (2 for
-        one group) instead of 2n. While group k is reassembled and updated, the gather of group
-        k+1 and the scatter of group k-1 are in flight, as with one launch each.
+        Collective order on every rank: gathers 0 and 1 in one launch, then ``local_work`` (the
+        rest of the step, which the gathers travel behind), then after each update k one launch
+        of scatter k with gather k+2 (while there is one): n groups take n + 1 all-to-alls (2 for
+        one group). While group k is reassembled and updated, the gather of group k+1 and the
+        scatter of group k-1 are in flight.
         """
         count = len(self.groups)
         if count == 0:
+            if local_work is not None:
+                local_work()
             return
-        gathering: dict[int, tuple[_InFlight, int]] = {0: (self.launch_gather(0, slices), 0)}
-        if count > 1:
-            gathering[1] = (self.launch_gather(1, slices), 0)
+        first = self._launch([self._gather_message(k, slices) for k in range(min(count, 2))])
+        gathering: dict[int, tuple[_InFlight, int]] = {k: (first, k) for k in range(min(count, 2))}
+        if local_work is not None:
+            local_work()
         scattering: tuple[int, _InFlight] | None = None
         for k in range(count):
             updated = update(self.finish_gather(k, *gathering.pop(k)))
@@ -219,5 +234,3 @@ class MicroGroupExchange:
                 self.finish_scatter(*scattering, write)
             scattering = (k, flight)
         self.finish_scatter(*scattering, write)
-
-
