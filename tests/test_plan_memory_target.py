@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 
 import pytest
 
@@ -124,26 +125,11 @@ def test_llama3_8b_at_dp128_standard_memory_target_needs_time_above_the_cost_onl
 
 # ---------------------------------------------------- shapes the grid above does not hold (issue 32 item 4)
 
-def _moe_specs(*, layers: int, hidden: int, inter: int, experts: int, vocab: int, heads: int, kv_heads: int,
-               head_dim: int) -> list[ParamSpec]:
+def _moe_specs(**shape) -> list[ParamSpec]:
     """A MoE whose experts are separate 2-D matrices (one Linear per expert projection), untied head."""
-    specs = [ParamSpec(name="model.embed_tokens.weight", shape=(vocab, hidden), matrix=False)]
-    for layer in range(layers):
-        prefix = f"model.layers.{layer}"
-        specs += [ParamSpec(name=f"{prefix}.self_attn.q_proj.weight", shape=(heads * head_dim, hidden), matrix=True),
-                  ParamSpec(name=f"{prefix}.self_attn.k_proj.weight", shape=(kv_heads * head_dim, hidden), matrix=True),
-                  ParamSpec(name=f"{prefix}.self_attn.v_proj.weight", shape=(kv_heads * head_dim, hidden), matrix=True),
-                  ParamSpec(name=f"{prefix}.self_attn.o_proj.weight", shape=(hidden, heads * head_dim), matrix=True),
-                  ParamSpec(name=f"{prefix}.mlp.gate.weight", shape=(experts, hidden), matrix=True)]
-        for expert in range(experts):
-            specs += [ParamSpec(name=f"{prefix}.mlp.experts.{expert}.gate_proj.weight", shape=(inter, hidden), matrix=True),
-                      ParamSpec(name=f"{prefix}.mlp.experts.{expert}.up_proj.weight", shape=(inter, hidden), matrix=True),
-                      ParamSpec(name=f"{prefix}.mlp.experts.{expert}.down_proj.weight", shape=(hidden, inter), matrix=True)]
-        specs += [ParamSpec(name=f"{prefix}.input_layernorm.weight", shape=(hidden,), matrix=False),
-                  ParamSpec(name=f"{prefix}.post_attention_layernorm.weight", shape=(hidden,), matrix=False)]
-    specs.append(ParamSpec(name="model.norm.weight", shape=(hidden,), matrix=False))
-    specs.append(ParamSpec(name="lm_head.weight", shape=(vocab, hidden), matrix=False))
-    return specs
+    from ds_canzona.bench.benchmarks.plan_bounds import moe_2d_expert_specs
+
+    return moe_2d_expert_specs(**shape)
 
 
 def _qwen3_at(*, hidden: int, inter: int, layers: int, heads: int, kv_heads: int) -> list[ParamSpec]:
@@ -180,3 +166,41 @@ def test_unshipped_shapes_meet_both_bounds_at_dp16_to_128(name):
         average = sum(plan.memory) / world
         target = max(1.25 * average, 1.05 * max(plan.memory))
         assert max(plan.rank_memory()) <= target, (name, world, plan.state_bytes_ratio)
+
+
+def test_qwen3_30b_a3b_at_dp64_memory_target_is_out_of_reach_and_the_plan_is_at_the_bound():
+    """Qwen3-30B-A3B's shape (48 layers, 128 experts in 3-D stacks) at DP=64: 1.256x the average, the least possible.
+
+    Its 96 expert stacks (48 ``gate_up_proj``, 48 ``down_proj``) hold most of the bytes. Within
+    1.02x LPT a rank holds at most one gate_up (two are over the capacity) and at most two stacks
+    (three downs are over it). Say g ranks hold a gate_up and a down; the other 48 - g gate_ups sit
+    alone, and the other 48 - g downs at most two to a rank: g + (48 - g) + ceil((48 - g) / 2)
+    ranks, at most 64, so g >= 16. Each of those g ranks holds a gate_up's and a down's bytes,
+    above the target, in any order of the buffer; everything else only adds. The planner's
+    busiest rank holds exactly that pair. (``python -m ds_canzona.bench plan-bounds`` finds the
+    same bound by its configuration LP.)
+    """
+    from ds_canzona.bench.benchmarks.plan_bounds import SHAPES
+
+    build, shape = SHAPES["qwen3-30b-a3b"]
+    specs = build(**shape)
+    world = 64
+    roofline = cost_model("roofline", "muon", machine_balance=150.0)
+    plan = plan_dp_partitions(specs, world_size=world, bucket_numel=BUCKET, cost=roofline, split_numel=2**22)
+    capacity = 1.02 * max(lpt_loads(plan.costs, world))
+    gate_up = [i for i, spec in enumerate(plan.specs) if spec.name.endswith("experts.gate_up_proj")]
+    down = [i for i, spec in enumerate(plan.specs) if spec.name.endswith("experts.down_proj")]
+    assert len(gate_up) == len(down) == 48
+    assert len({plan.costs[i] for i in gate_up}) == len({plan.costs[i] for i in down}) == 1
+    g_cost, d_cost = plan.costs[gate_up[0]], plan.costs[down[0]]
+    g_bytes, d_bytes = plan.memory[gate_up[0]], plan.memory[down[0]]
+    assert 2 * g_cost > capacity and 3 * d_cost > capacity and g_cost + d_cost <= capacity
+    fewest_pairs = min(g for g in range(49) if g + (48 - g) + math.ceil((48 - g) / 2) <= world)
+    assert fewest_pairs == 16
+    average = sum(plan.memory) / world
+    target = max(1.25 * average, 1.05 * max(plan.memory))
+    assert g_bytes + d_bytes > target  # out of reach
+    assert (g_bytes + d_bytes) / average == pytest.approx(1.2558, abs=5e-4)
+    peak = max(plan.rank_memory())
+    assert g_bytes + d_bytes <= peak <= (g_bytes + d_bytes) * (1 + 1e-9)
+    assert max(plan.rank_costs()) <= capacity

@@ -1,0 +1,44 @@
+"""The configuration-LP lower bound of ``python -m ds_canzona.bench plan-bounds``, on cases worked by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from ds_canzona.bench.benchmarks.plan_bounds import _classes, _configurations, configuration_bound
+
+
+def test_configurations_are_every_count_vector_within_both_capacities():
+    classes = _classes([0.5, 0.5, 0.3], [1.0, 1.0, 0.1])  # two alike items and one other
+    assert classes == [(0.5, 1.0, 2), (0.3, 0.1, 1)]
+    found = _configurations(classes, cost_capacity=1.0, memory_capacity=1.5)
+    # (2, 0) is within the cost but holds 2.0 bytes; (1, 1) costs 0.8 and holds 1.1.
+    assert sorted(found) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert sorted(_configurations(classes, cost_capacity=1.0, memory_capacity=2.0)) == [(0, 0), (0, 1), (1, 0),
+                                                                                      (1, 1), (2, 0)]
+
+
+def test_two_ranks_four_items_the_bound_is_a_big_and_a_small_item_together():
+    """Two ranks, each holding two of four items at most (cost 0.5 each, capacity 1.0): two big items (1.0
+    bytes) and two small ones (0.2). Below 1.2 bytes the big items need a rank each and the small ones a
+    third, so every plan holds at least a big and a small item on one rank: 1.2."""
+    pytest.importorskip("scipy")
+    costs, memory = [0.5, 0.5, 0.5, 0.5], [1.0, 1.0, 0.2, 0.2]
+    assert configuration_bound(costs, memory, 2, 1.0) == pytest.approx(1.2, rel=1e-6)
+    # Room for three items per rank does not help (a big item and both small ones hold 1.4)...
+    assert configuration_bound(costs, memory, 2, 1.5) == pytest.approx(1.2, rel=1e-6)
+    # ...a third rank does: the small ones share it, and the bound is a big item alone.
+    assert configuration_bound(costs, memory, 3, 1.0) == pytest.approx(1.0, rel=1e-6)
+    # No two items fit a rank and there are four: no plan at all.
+    assert configuration_bound(costs, memory, 2, 0.9) == float("inf")
+
+
+def test_the_qwen3_30b_a3b_cell_is_out_of_reach_at_the_bound_the_pair_argument_gives():
+    """The same cell as tests/test_plan_memory_target.py proves by counting; the LP finds that bound."""
+    pytest.importorskip("scipy")
+    pytest.importorskip("transformers")
+    from ds_canzona.bench.benchmarks.plan_bounds import plan_bound_row
+
+    row = plan_bound_row("qwen3-30b-a3b", "gram", 64)
+    assert row.verdict == "out of reach"
+    assert row.bound_over_average == pytest.approx(row.memory_over_average, rel=1e-4)
+    assert row.bound_over_average > row.target_over_average
