@@ -204,3 +204,40 @@ def test_qwen3_30b_a3b_at_dp64_memory_target_is_out_of_reach_and_the_plan_is_at_
     peak = max(plan.rank_memory())
     assert g_bytes + d_bytes <= peak <= (g_bytes + d_bytes) * (1 + 1e-9)
     assert max(plan.rank_costs()) <= capacity
+
+
+def test_hidden_1280_at_dp128_busiest_cost_is_out_of_reach_of_lpt_and_the_plan_is_optimal():
+    """A 20-layer Qwen3 at hidden 1280, DP=128, Gram: 1.204x LPT, and no plan does better in this buffer.
+
+    140 matrices on 128 ranks, so at least 12 ranks hold two or more. Within 1.02x LPT only two
+    "light" matrices (q_proj, o_proj) share a rank, never three, and two light matrices of one
+    bucket are never neighbours in it (k_proj and v_proj, or the MLP, lie between), so a rank's two
+    come from two buckets. Two buckets hold matrices and the smaller holds 4 light ones: at most 4
+    ranks pair within the capacity, so some rank holds a pair with a heavier matrix, at least a
+    light plus the cheapest heavy one. LPT ignores the order and pairs light matrices freely.
+    """
+    from ds_canzona.bench.benchmarks.plan_bounds import SHAPES
+
+    build, shape = SHAPES["dense-h1280-i3456-l20"]
+    world = 128
+    roofline = cost_model("roofline", "muon", machine_balance=150.0, ns_method="gram")
+    plan = plan_dp_partitions(build(**shape), world_size=world, bucket_numel=BUCKET, cost=roofline, split_numel=2**22)
+    lpt = max(lpt_loads(plan.costs, world))
+    capacity = 1.02 * lpt
+    matrices = [i for i, spec in enumerate(plan.specs) if spec.matrix]
+    assert len(matrices) - world == 12
+    cheapest = min(plan.costs[i] for i in matrices)
+    light = {i for i in matrices if plan.costs[i] + cheapest <= capacity}
+    assert {plan.specs[i].name.split(".")[-2] for i in light} == {"q_proj", "o_proj"}
+    assert 3 * cheapest > capacity
+    heavy_cheapest = min(plan.costs[i] for i in matrices if i not in light)
+    with_matrices = []
+    for bucket in plan.buckets:
+        sequence = [i for i in range(bucket.first, bucket.stop) if plan.specs[i].matrix]
+        if sequence:
+            with_matrices.append(sum(i in light for i in sequence))
+            assert not any(a in light and b in light for a, b in zip(sequence, sequence[1:]))
+    assert len(with_matrices) == 2 and min(with_matrices) == 4 < 12
+    floor = cheapest + heavy_cheapest
+    assert floor / lpt == pytest.approx(1.204, abs=5e-4)
+    assert floor <= max(plan.rank_costs()) <= floor * (1 + 1e-9)
