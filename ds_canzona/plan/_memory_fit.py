@@ -54,6 +54,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ._chain_beam import MAX_EXPANSIONS as BEAM_EXPANSIONS, beam_owner
 from ._free_chains import COST, MEMORY, ChainExchanges
 from ._loads import LoadTree
 from ._packing import Assignment, LocalSearch, Problem, _assignment, _search_budget, balance
@@ -103,6 +104,9 @@ LOOSER_ROCKS = (FIT_TOLERANCE, 10 * FIT_TOLERANCE)
 # Bisection steps of the exact three-bucket search under the memory target (0.4-0.5 s each on
 # Qwen3-0.6B at DP=64): the makespan found is within 1/16 of the way from the best to the budget.
 THREE_CHAIN_STEPS = 4
+# Where every candidate is above the LPT target: the capacities (x LPT's makespan) the chain-prefix
+# beam (``_chain_beam``) is asked for, in order, up to the target.
+BEAM_CAPACITIES = (1.0, 1.01, 1.0 + MAKESPAN_OVER_LPT)
 # Rounds of pouring the sand again around the rocks a memory search has moved.
 REPOUR_ROUNDS = 2
 # Sand worth less than this fraction of an average rank (in cost and in memory) cannot change
@@ -460,6 +464,18 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
             if pourable:
                 pourings.append(_Pouring(problem, memory, sand, three))
                 candidates.append(_polished(problem, pourings[-1].fewest_cost(problem.lower_bound())))
+        # More buckets: the beam over chain prefixes, at LPT's makespan or up to the target.
+        left = BEAM_EXPANSIONS
+        for factor in BEAM_CAPACITIES:
+            beamed, spent = beam_owner(problem, factor * lpt_makespan, chains, budget=left)
+            left -= spent
+            if beamed is not None:
+                candidates.append(beamed)
+                if pourable:
+                    pourings.append(_Pouring(problem, memory, sand, beamed))
+                break
+            if left <= 0:
+                break
     # The makespan: the best found (give or take MAKESPAN_TOLERANCE), never above the cost
     # portfolio's own plan; up to the budget if that buys memory down to the target (see the
     # module docstring and MAKESPAN_OVER_COST_ONLY).
