@@ -42,3 +42,30 @@ def test_the_qwen3_30b_a3b_cell_is_out_of_reach_at_the_bound_the_pair_argument_g
     assert row.verdict == "out of reach"
     assert row.bound_over_average == pytest.approx(row.memory_over_average, rel=1e-4)
     assert row.bound_over_average > row.target_over_average
+
+
+def test_the_command_prints_the_misses_and_writes_every_row(tmp_path, capsys):
+    """``python -m ds_canzona.bench plan-bounds`` on one dense cell (no transformers needed), and a bad shape."""
+    import json
+
+    from ds_canzona.bench.__main__ import COMMANDS
+    from ds_canzona.cli import dispatch
+
+    output = tmp_path / "bounds.json"
+    assert dispatch("bench", COMMANDS, ["plan-bounds", "--shapes", "dense-h2048-i5632-l24", "--dp", "32,64",
+                                        "--pricings", "gram", "--json", str(output)]) == 0
+    printed = capsys.readouterr().out
+    rows = {row["dp"]: row for row in json.loads(output.read_text())["rows"]}
+    assert set(rows) == {32, 64}
+    assert rows[32]["verdict"] == "met" and rows[32]["bound_over_average"] is None  # no bound for a cell that is met
+    miss = rows[64]  # 1.253x the average against 1.25x
+    assert miss["memory_over_average"] > miss["target_over_average"] == pytest.approx(1.25)
+    assert "| dense-h2048-i5632-l24 | gram | 64 |" in printed and "| dense-h2048-i5632-l24 | gram | 32 |" not in printed
+    try:
+        import scipy  # noqa: F401
+    except ImportError:
+        assert miss["verdict"] == "open" and "no scipy" in miss["note"]
+    else:  # the configuration LP: below the target, so not proven out of reach
+        assert miss["verdict"] == "open" and miss["bound_over_average"] == pytest.approx(1.152, abs=1e-3)
+    with pytest.raises(SystemExit, match="unknown shape"):
+        dispatch("bench", COMMANDS, ["plan-bounds", "--shapes", "nonesuch"])
