@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 from ...cli import Command
 from ...plan import (ParamSpec, cost_model, load_model_config, lpt_loads, plan_dp_partitions, qwen3_specs,
                      specs_from_hf_config)
+from ...plan._memory_fit import MAKESPAN_OVER_LPT, MEMORY_OVER_AVERAGE, MEMORY_OVER_LARGEST
 from ...plan.dp import DEFAULT_SPLIT_NUMEL
 
 __all__ = ["PLAN_BOUNDS", "SHAPES", "BoundRow", "configuration_bound", "moe_2d_expert_specs", "plan_bound_row"]
@@ -47,9 +48,6 @@ DP_SIZES = (16, 32, 64, 128)
 PRICINGS = ("gram", "standard")
 BUCKET = 500_000_000
 MACHINE_BALANCE = 150.0  # `ds-canzona plan`'s default (a GPU's)
-MAKESPAN_OVER_LPT = 0.02
-MEMORY_OVER_AVERAGE = 1.25
-MEMORY_OVER_LARGEST = 1.05
 # Items under this fraction of an average rank in both cost and bytes are left out of the bound.
 NEGLIGIBLE = 0.01
 BISECTION_STEPS = 24
