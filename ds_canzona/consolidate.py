@@ -70,15 +70,19 @@ def _optimizer_items(ckpt: Checkpoint) -> list[_Item]:
     items: list[_Item] = []
     for name in ckpt.tensor_names:
         pieces = ckpt.items_of(name)
-        for key, shape in ckpt.state_shapes(pieces[0]).items():
-            if shape is None:
+        if len(pieces) > 1 and ckpt.is_stack(name):
+            # A stack in pieces of whole experts: the whole stack's keys, each expert's from its piece.
+            sizes = ckpt.stack_state_nbytes(name)
+        else:
+            sizes = {key: None if shape is None else sum(ckpt.nbytes(piece, key) for piece in pieces)
+                     for key, shape in ckpt.state_shapes(pieces[0]).items()}
+        for key, nbytes in sizes.items():
+            if nbytes is None:
                 raise CheckpointError(f"optimizer state {name!r}[{key!r}] is not a tensor; consolidation writes "
                                       "tensors only")
             if len(pieces) == 1:
-                items.append((f"{name}/{key}", ckpt.nbytes(name, key),
-                              lambda name=name, key=key: ckpt.state_tensor(name, key)))
+                items.append((f"{name}/{key}", nbytes, lambda name=name, key=key: ckpt.state_tensor(name, key)))
             else:
-                nbytes = sum(ckpt.nbytes(piece, key) for piece in pieces)
                 items.append((f"{name}/{key}", nbytes, lambda name=name, key=key: ckpt.tensor_state(name)[key]))
     return items
 

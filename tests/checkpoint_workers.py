@@ -421,3 +421,36 @@ def hf_export_run(rank: int, world_size: int, config: dict, save_dir: str, steps
     return {"loss": eval_loss(engine.module),
             "weights": {k: v.detach().clone() for k, v in engine.module.state_dict().items()},
             "config": engine.module.config.to_dict()}
+
+
+def stack_reshard_run(rank: int, world_size: int, configs: list[tuple[dict, dict]], save_dir: str, steps: int) -> list:
+    """Per (save config, load config): train the MoE model ``steps`` steps and save; go on ``steps`` more
+    (the params of not stopping); then a fresh engine of the load config loads the save and takes
+    the same ``steps`` steps. The two configs plan the expert stacks differently (whole, or in
+    pieces of whole experts), so the load cuts or joins each stack's state at expert boundaries."""
+    from tiny_model import make_moe_model
+    from zero_workers import init_engine
+
+    def train(engine, first):
+        ga = engine.gradient_accumulation_steps()
+        for s in range(first, first + steps):
+            for micro in range(ga):
+                engine.backward(engine(batches(s, micro, rank, world_size, engine.train_micro_batch_size_per_gpu())))
+                engine.step()
+
+    out = []
+    for index, (save_config, load_config) in enumerate(configs):
+        directory = os.path.join(save_dir, f"stacks{index}")
+        engine = init_engine(save_config, model=make_moe_model())
+        train(engine, 0)
+        engine.save_checkpoint(directory, tag="mid")
+        train(engine, steps)
+        saved_items = [t.name for t in engine.optimizer.owned_tensors()]
+        going_on = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        loaded = init_engine(load_config, model=make_moe_model(seed=1))
+        loaded.load_checkpoint(directory)
+        loaded_items = [t.name for t in loaded.optimizer.owned_tensors()]
+        train(loaded, steps)
+        out.append({"going_on": going_on, "saved_items": saved_items, "loaded_items": loaded_items,
+                    "resumed": {n: p.detach().clone() for n, p in loaded.module.named_parameters()}})
+    return out

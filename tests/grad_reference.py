@@ -172,13 +172,13 @@ class Replay:
     def step(self, item_grads: dict[str, torch.Tensor]) -> None:
         """One optimizer step with the runtime's averaged gradients (by item name), clipped as it clips."""
         from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
-        from ds_canzona.plan import piece_bounds
+        from ds_canzona.plan import item_bounds
 
         grads = whole_grads(item_grads, {n: p.shape for n, p in self.named})
         ordered = [grads[n].clone() for n, _ in self.named]
         matrix = {id(p): group["kind"] != "adamw" for group in self.optimizer.param_groups for p in group["params"]}
         sq_norms = [tensor_sq_norm(g.reshape(-1)[start:stop]) for (_, p), g in zip(self.named, ordered)
-                    for start, stop in piece_bounds(g.numel(), None if matrix[id(p)] else self.split_numel)]
+                    for start, stop in item_bounds(g.shape, matrix[id(p)], self.split_numel)]
         _, coefficient = clip_coefficient(torch.stack(sq_norms), self.clip)
         for (_, p), g in zip(self.named, ordered):
             p.grad = g.mul_(coefficient) if coefficient < 1.0 else g

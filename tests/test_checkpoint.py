@@ -37,7 +37,8 @@ import torch
 import torch.multiprocessing as mp
 
 from checkpoint_workers import (SCALER_STATE, ckpt_config, crash_during_save, failure_entry, hang_in_training,
-                                load_owned, make_ckpt_model, make_optimizer, reshard_run, resume_then_die, save_run)
+                                load_owned, make_ckpt_model, make_optimizer, reshard_run, resume_then_die, save_run,
+                                stack_reshard_run)
 from distributed import free_port, run_ranks
 from zero_workers import make_config
 
@@ -605,3 +606,29 @@ def test_a_hung_rank_makes_the_others_fail_within_comm_timeout(workdir):
     assert "Timed out" in text or "timeout" in text.lower(), text[-2000:]
     assert timeout_s - 1 < when - stopped < timeout_s + 5
     assert run["exited"][0] - stopped < timeout_s + 15
+
+
+def test_expert_stacks_load_across_whole_and_pieces(workdir):
+    """The MoE model's 3-D stacks saved whole load into pieces of whole experts, and back, at DP=2:
+    resuming is bit for bit not stopping, for rules with state along the experts (NorMuon's row
+    moments, the momentum) and per expert by key (Shampoo's statistics and roots, SOAP's bases).
+
+    Clipping is off: whole and in pieces, the clipping norm sums the same squares in another
+    grouping, which may move its last bit."""
+    optimizers = {
+        "normuon": {"type": "NorMuon", "params": {"lr": 0.02, "adam_lr": 0.003}},
+        "shampoo": {"type": "Shampoo", "params": {"lr": 0.003, "adam_lr": 0.003, "precondition_frequency": 2}},
+        "soap": {"type": "SOAP", "params": {"lr": 0.003, "adam_lr": 0.003, "precondition_frequency": 2}},
+    }
+    whole = {"split_numel": 0}
+    pieces = {"split_numel": 512, "cost_model": "numel"}  # four one-expert pieces per stack (see test_zero_stage12)
+    runs = [(kind, a, b) for kind in optimizers for a, b in ((whole, pieces), (pieces, whole))]
+    configs = [tuple(make_config(2, optimizer=optimizers[kind], canzona=dict(side), gradient_clipping=0.0)
+                     for side in (a, b)) for kind, a, b in runs]
+    results = run_ranks(stack_reshard_run, 2, configs, str(workdir / "stacks"), 2, timeout=600)
+    for index, (kind, save_side, _) in enumerate(runs):
+        ranked = [r[index] for r in results]
+        split_side = "loaded_items" if save_side is whole else "saved_items"
+        items = [name for r in ranked for name in r[split_side]]
+        assert sum(name.startswith("experts_up[") for name in items) == 4, (kind, items)
+        assert_equal_dicts(ranked[0]["resumed"], ranked[0]["going_on"], f"{kind}: resumed vs not stopping")

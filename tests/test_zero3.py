@@ -59,6 +59,9 @@ CASES = {
         # Shampoo and SOAP on the model with 3-D expert stacks: per-expert statistics, owned whole.
         "shampoo_fp32_ga1_moe": ("shampoo", 1, "fp32", "moe", False, False),
         "soap_fp32_ga1_moe": ("soap", 1, "fp32", "moe", False, False),
+        # The same stacks in pieces of one expert (512 elements, above PIECES_SPLIT_NUMEL), each owned alone.
+        "shampoo_fp32_ga1_moe_pieces": ("shampoo", 1, "fp32", "moe", False, False),
+        "normuon_fp32_ga1_moe_pieces": ("normuon", 1, "fp32", "moe", False, False),
     },
     3: {
         "muon_fp32_ga3": ("muon", 3, "fp32", "tiny", False, False),
@@ -202,7 +205,8 @@ def _check(name: str, results: list[dict], world_size: int) -> None:
     item_numel = {item: _item_numel(item, results[0]["params"][tensor]) for item, tensor in item_tensor.items()}
     if split_numel is not None:
         pieces = [item for item, tensor in item_tensor.items() if item != tensor]
-        assert {item_tensor[p] for p in pieces} == {"embed_tokens.weight", "lm_head.weight"}, pieces
+        stacks = {"experts_up", "experts_down"} if model == "moe" else set()
+        assert {item_tensor[p] for p in pieces} == {"embed_tokens.weight", "lm_head.weight"} | stacks, pieces
         assert len({owners[p] for p in pieces}) == world_size  # spread over every rank
     for rank, r in enumerate(results):
         for tensor in r["local_shard_numel"]:
@@ -254,12 +258,13 @@ def _item_numel(item: str, tensor: torch.Tensor) -> int:
 
 
 def _item_values(params: dict, item_tensor: dict, items) -> dict[str, torch.Tensor]:
-    """The values of plan items (whole tensors, or flat pieces "name[start:stop]") from whole tensors."""
+    """The values of plan items (whole tensors, or pieces "name[start:stop]") from whole tensors, each
+    shaped like ``items[item]`` (a piece of a non-matrix tensor is 1-D, one of a stack its experts)."""
     values = {}
-    for item in items:
+    for item, like in items.items():
         match = PIECE.match(item)
         tensor = params[item_tensor[item]]
-        values[item] = tensor.reshape(-1)[int(match["start"]):int(match["stop"])] if match else tensor
+        values[item] = tensor.reshape(-1)[int(match["start"]):int(match["stop"])].view(like.shape) if match else tensor
     return values
 
 

@@ -66,9 +66,9 @@ def single_process_replay(optimizer: dict, grads_per_step: list[dict], clip: flo
                           split_numel: int | None = None) -> dict:
     """The single-process optimizer fed the runtime's averaged gradients, clipped the same way.
 
-    With ``split_numel`` the clipping norm is summed over the same canonical pieces of the
-    non-matrix tensors as the runtime's (``ds_canzona.plan.piece_bounds``); the update runs on
-    whole tensors.
+    With ``split_numel`` the clipping norm is summed over the same canonical items as the
+    runtime's (``ds_canzona.plan.item_bounds``: pieces of large non-matrix tensors and of 3-D
+    matrix stacks); the update runs on whole tensors.
 
     Runs with one torch thread, as the ranks do: CPU LAPACK/BLAS may block a product differently
     with another thread count, which changes the rounding, not the math.
@@ -83,7 +83,7 @@ def single_process_replay(optimizer: dict, grads_per_step: list[dict], clip: flo
 
 def _replay(optimizer: dict, grads_per_step: list[dict], clip: float, model_factory, split_numel=None) -> dict:
     from ds_canzona.optim.clipping import clip_coefficient, tensor_sq_norm
-    from ds_canzona.plan import piece_bounds
+    from ds_canzona.plan import item_bounds
     from ds_canzona.zero.build import translate_optimizer_params
     import ds_canzona.optim as optim
 
@@ -99,7 +99,7 @@ def _replay(optimizer: dict, grads_per_step: list[dict], clip: float, model_fact
         ordered = [grads[n].clone() for n, _ in named]
         sq = torch.stack([tensor_sq_norm(g.reshape(-1)[start:stop])
                           for (_, p), g in zip(named, ordered)
-                          for start, stop in piece_bounds(g.numel(), None if matrix[id(p)] else split_numel)])
+                          for start, stop in item_bounds(g.shape, matrix[id(p)], split_numel)])
         _, coefficient = clip_coefficient(sq, clip)
         for (_, p), g in zip(named, ordered):
             p.grad = g.mul_(coefficient) if coefficient < 1.0 else g
@@ -182,18 +182,61 @@ def test_shampoo_and_soap_are_bitwise_the_single_process_step(runs, kind):
     assert_params_equal(results_by_stage[1][0]["params"], results_by_stage[2][0]["params"])
 
 
-def test_shampoo_and_soap_on_expert_stacks_are_bitwise_the_single_process_step():
-    """The model with two 3-D expert stacks, DP=2, stages 1 and 2: each expert its own statistics (one spawn)."""
+# Experts of the MoE test model are 32 x 16 (512 elements): at this split_numel every stack is
+# planned as four pieces of one expert each, and one of the stacks has pieces on both ranks.
+STACK_SPLIT_NUMEL = 512
+STACK_RUNS = [(kind, stage, None) for kind in ("shampoo", "soap") for stage in (1, 2)] + \
+    [(kind, 2, STACK_SPLIT_NUMEL) for kind in ("muon", "normuon", "adamuon", "shampoo", "soap")] + \
+    [("muon", 1, STACK_SPLIT_NUMEL)]
+
+
+@pytest.fixture(scope="module")
+def stack_runs():
+    """The model with two 3-D expert stacks at DP=2: ``STACK_RUNS`` engines in turn (one spawn)."""
+    # Balanced on elements, so the stacks (4,096 of the model's 7,000 elements) must spread over the
+    # ranks; on the CPU's roofline the launch floor keeps these tiny experts together.
+    configs = [make_config(2, stage=stage, optimizer=OPTIMIZERS[kind],
+                           canzona={} if split is None else {"split_numel": split, "cost_model": "numel"})
+               for kind, stage, split in STACK_RUNS]
+    results = run_ranks(train_many, 2, configs, STEPS, "moe", timeout=900)
+    return {run: [r[index] for r in results] for index, run in enumerate(STACK_RUNS)}
+
+
+def test_shampoo_and_soap_on_expert_stacks_are_bitwise_the_single_process_step(stack_runs):
+    """Stacks whole, stages 1 and 2: each expert its own statistics, as in the single-process optimizer."""
     from tiny_model import make_moe_model
 
-    kinds = [(kind, stage) for kind in ("shampoo", "soap") for stage in (1, 2)]
-    configs = [make_config(2, stage=stage, optimizer=OPTIMIZERS[kind]) for kind, stage in kinds]
-    results = run_ranks(train_many, 2, configs, STEPS, "moe", timeout=600)
-    for index, (kind, stage) in enumerate(kinds):
-        ranked = [r[index] for r in results]
+    for (kind, stage, split), ranked in stack_runs.items():
+        if split is not None:
+            continue
         replay = single_process_replay(OPTIMIZERS[kind], merged_grads(ranked), clip=1.0, model_factory=make_moe_model)
         assert_params_equal(ranked[0]["params"], replay)
         assert ranked[0]["params"]["experts_up"].dim() == 3
+
+
+def test_expert_stacks_in_pieces_are_bitwise_the_single_process_step(stack_runs):
+    """Stacks planned in pieces of whole experts, owned by both ranks: every matrix rule updates each
+    piece exactly as the single-process optimizer updates the whole stack (clipping summed over the
+    same items, ``item_bounds``)."""
+    from tiny_model import make_moe_model
+
+    spread = []  # per run and stack: whether both ranks own experts of it
+    for (kind, stage, split), ranked in stack_runs.items():
+        if split is None:
+            continue
+        owned = [set().union(*(step.keys() for step in r["grads"])) for r in ranked]
+        for stack in ("experts_up", "experts_down"):
+            pieces = [{n for n in names if n.startswith(f"{stack}[")} for names in owned]
+            assert sum(map(len, pieces)) == 4, (kind, stage, stack, pieces)  # four experts, never whole
+            spread.append(all(pieces))
+        for r in ranked[1:]:
+            assert_params_equal(ranked[0]["params"], r["params"])
+        replay = single_process_replay(OPTIMIZERS[kind], merged_grads(ranked), clip=1.0, model_factory=make_moe_model,
+                                       split_numel=split)
+        assert_params_equal(ranked[0]["params"], replay)
+    # Where the pieces go is the plan's choice; the runtime's path for a stack spread over ranks
+    # (segments cutting a stack, the all-gather joining it) must have run at least once here.
+    assert any(spread), spread
 
 
 @pytest.mark.parametrize("world_size", MUON_FAMILY_WORLD_SIZES)

@@ -94,7 +94,11 @@ class _NormalisedMuonRule(MuonRule):
     def _update_one(self, param: Tensor, grad: Tensor, state: dict[str, Tensor], lr: float) -> None:
         u = self._momentum_(grad, state)
         # The iteration may run in half precision (ns_dtype); the statistics are kept in the state's.
-        ortho = self._orthogonalize_matrices(self._to_orthogonalize(u)).to(state[self.second_moment_key].dtype)
+        # Contiguous: a lone matrix comes back from Newton-Schulz transposed when it is tall, and the
+        # reductions below would then sum it in another order than the same matrix inside a stack,
+        # so an expert's update would depend on whether its stack is planned whole or in pieces.
+        ortho = self._orthogonalize_matrices(self._to_orthogonalize(u)).to(
+            state[self.second_moment_key].dtype).contiguous()
         self._apply_(param, self._rescale(self._normalise_(ortho, state), ortho), lr)
 
 

@@ -237,6 +237,65 @@ def state_key(*parts: str | None) -> str:
     return ".".join(part for part in parts if part is not None)
 
 
+# A 3-D stack's state, expert by expert. A stack may be planned whole or in pieces of whole
+# experts (ds_canzona.plan.stack_piece_bounds), and a checkpoint saved one way loads the other; so
+# its state must be cut and joined at expert boundaries. Every rule keeps three kinds of entries:
+# per expert by key (``left_stat.e.i.j``: ``state_key`` puts the expert right after the name),
+# per expert along the first dim (the momentum and every elementwise tensor ``[experts, rows,
+# cols]``, NorMuon's ``[experts, rows]``), and shared (``step``).
+
+def _expert_of_key(key: str) -> tuple[str, int, str | None] | None:
+    """(name, expert, rest) of a per-expert key of a stack's state, or None."""
+    parts = key.split(".", 2)
+    if len(parts) < 2 or not parts[1].isdigit():
+        return None
+    return parts[0], int(parts[1]), parts[2] if len(parts) == 3 else None
+
+
+def _along_experts(value: Any, experts: int) -> bool:
+    return isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] == experts
+
+
+def slice_stack_state(state: dict[str, Any], experts: int, first: int, stop: int) -> dict[str, Any]:
+    """The state of experts ``[first, stop)`` of a stack of ``experts`` whose state is ``state``,
+    keyed as the state of a stack of ``stop - first`` experts (keys renumbered from 0)."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        tagged = _expert_of_key(key)
+        if tagged is not None:
+            name, expert, rest = tagged
+            if first <= expert < stop:
+                out[state_key(name, str(expert - first), rest)] = value
+        elif _along_experts(value, experts):
+            out[key] = value[first:stop]
+        else:
+            out[key] = value
+    return out
+
+
+def join_stack_states(parts: Sequence[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
+    """The state of one stack from ``(experts, state)`` of consecutive expert ranges, in order:
+    per-expert keys renumbered by the experts before them, tensors along the experts
+    concatenated, shared entries from the first part."""
+    out: dict[str, Any] = {}
+    along: dict[str, list[Tensor]] = {}
+    offset = 0
+    for number, (experts, state) in enumerate(parts):
+        for key, value in state.items():
+            tagged = _expert_of_key(key)
+            if tagged is not None:
+                name, expert, rest = tagged
+                out[state_key(name, str(expert + offset), rest)] = value
+            elif _along_experts(value, experts):
+                along.setdefault(key, []).append(value)
+            elif number == 0:
+                out[key] = value
+        offset += experts
+    for key, values in along.items():
+        out[key] = torch.cat(values)
+    return out
+
+
 def check_update_args(params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]]) -> None:
     if not (len(params) == len(grads) == len(states)):
         raise ValueError(f"update_ needs one grad and one state per param: got {len(params)} params, "

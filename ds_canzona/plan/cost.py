@@ -150,7 +150,8 @@ _MUON_MATRIX_LAUNCHES = 4
 # O², the row mean, the moment's lerp, sqrt, + eps, the divide: 6; AdaMuon: the same without the
 # mean: 5, and the sign of the momentum: 1), and the rescale to a Frobenius norm (N², its sum and
 # sqrt, + eps, the ratio, the product: 7 for "match_rms_adamw"; 9 for "original", which also takes
-# the norm of O). Counted from the rules in tests/test_plan_cost.py.
+# the norm of O), and for a lone tall matrix the copy that makes it contiguous: 1. Counted from
+# the rules in tests/test_plan_cost.py.
 _NORMUON_NORMALISE_LAUNCHES, _ADAMUON_NORMALISE_LAUNCHES, _SIGN_LAUNCHES = 6, 5, 1
 _RESCALE_LAUNCHES = {"original": 9, "match_rms_adamw": 7}
 # Shampoo per step: per tensor AdamW's grafting direction, the output and the update (12); per block
@@ -301,8 +302,10 @@ def step_launches(spec: ParamSpec, optimizer: str = "muon", *, device: str = "cu
             rows, cols, steps=merged["ns_steps"], method=merged["ns_method"])
         launches = _MUON_TENSOR_LAUNCHES + count * per_matrix + (1 + count if count > 1 else 0)
     elif optimizer in ("normuon", "adamuon"):
+        # A lone tall matrix comes back from Newton-Schulz transposed; the rule copies it contiguous
+        # (one launch) so that its reductions add in the order they do for an expert of a stack.
         launches = step_launches(spec, "muon", ns_steps=merged["ns_steps"], ns_method=merged["ns_method"]) \
-            * spec.tp_size + _normalisation_launches(optimizer, merged)
+            * spec.tp_size + _normalisation_launches(optimizer, merged) + (count == 1 and rows > cols)
     elif optimizer == "shampoo":
         # Per matrix of the stack (each expert is blocked on its own); the guard reads once per tensor.
         max_dim, frequency = merged["max_preconditioner_dim"], merged["precondition_frequency"]

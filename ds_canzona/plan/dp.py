@@ -59,7 +59,9 @@ __all__ = [
     "lpt_loads",
     "min_max_segment",
     "expand_pieces",
+    "item_bounds",
     "piece_bounds",
+    "stack_piece_bounds",
     "plan_buckets",
     "plan_dp_partitions",
     "start_index",
@@ -287,6 +289,39 @@ def piece_bounds(numel: int, split_numel: int | None) -> list[tuple[int, int]]:
     return [(start, min(start + split_numel, numel)) for start in range(0, numel, split_numel)]
 
 
+def stack_piece_bounds(shape: Sequence[int], split_numel: int | None) -> list[tuple[int, int]]:
+    """The canonical ``[start, stop)`` element pieces of a 3-D matrix stack ``[experts, rows, cols]``.
+
+    Each piece is whole experts: as many as fit in ``split_numel`` elements, at least one. Every
+    matrix rule updates each matrix of a stack on its own (``ds_canzona.optim.base.matrix_stack_shape``),
+    so a piece is updated exactly as its experts are inside the whole stack, and a fused MoE stack
+    of a few hundred million elements spreads over ranks at expert boundaries instead of pinning
+    one owner (docs/PLANNER.md, "Expert stacks in pieces").
+    """
+    experts, rows, cols = (int(s) for s in shape)
+    numel = experts * rows * cols
+    if split_numel is None or numel <= split_numel or experts == 1:
+        return [(0, numel)]
+    per_piece = max(1, split_numel // (rows * cols)) * rows * cols
+    return [(start, min(start + per_piece, numel)) for start in range(0, numel, per_piece)]
+
+
+def item_bounds(shape: Sequence[int], matrix: bool, split_numel: int | None) -> list[tuple[int, int]]:
+    """The canonical ``[start, stop)`` element ranges of a tensor's plan items (one range: the tensor whole).
+
+    A function of the tensor alone (its shape, whether a matrix rule updates it, ``split_numel``),
+    so every world size and both ZeRO planners cut a tensor alike, and the single-process
+    clipping norm sums over the same items: a non-matrix tensor above ``split_numel`` in
+    ``piece_bounds``, a 3-D matrix stack above it in ``stack_piece_bounds``, anything else whole.
+    """
+    numel = math.prod(int(s) for s in shape)
+    if not matrix:
+        return piece_bounds(numel, split_numel)
+    if len(shape) == 3:
+        return stack_piece_bounds(shape, split_numel)
+    return [(0, numel)]
+
+
 # The project's own models price a spec by its shape, kind and TP layout alone, never its name.
 _SHAPE_PRICED = (NumelCost, FlopsCost, RooflineCost, StateMemory)
 
@@ -310,19 +345,32 @@ def _priced(model: object, price: Callable[[ParamSpec], float], specs: Sequence[
     return values
 
 
-def expand_pieces(specs: Sequence[ParamSpec],
-                  split_numel: int | None) -> tuple[tuple[ParamSpec, ...], tuple[tuple[int, int, int], ...]]:
+def expand_pieces(specs: Sequence[ParamSpec], split_numel: int | None, *,
+                  held_numels: Sequence[int] | None = None,
+                  ) -> tuple[tuple[ParamSpec, ...], tuple[tuple[int, int, int], ...]]:
     """The plan items of ``specs`` (a piece spec for each canonical piece) and their ``(tensor, start, stop)``.
 
-    A non-matrix tensor above ``split_numel`` elements becomes its ``piece_bounds``; every other
-    tensor is one item. Shared by the ZeRO-1/2 and the ZeRO-3 planners, so both own the same items.
+    Each tensor becomes its ``item_bounds``: a non-matrix piece is a 1-D spec, a piece of a 3-D
+    matrix stack a stack spec of its experts. A stack a rank's buffer does not hold whole
+    (``held_numels`` below its numel: a tensor-parallel slice, whose experts are not contiguous
+    in the buffer) stays one item. Shared by the ZeRO-1/2 and the ZeRO-3 planners, so both own
+    the same items.
     """
     items: list[ParamSpec] = []
     pieces: list[tuple[int, int, int]] = []
     for index, spec in enumerate(specs):
-        bounds = piece_bounds(spec.numel, None if spec.matrix else split_numel)
+        held_whole = held_numels is None or held_numels[index] == spec.numel
+        if spec.matrix and not (len(spec.shape) == 3 and held_whole):
+            bounds = [(0, spec.numel)]
+        else:
+            bounds = item_bounds(spec.shape, spec.matrix, split_numel)
         if len(bounds) == 1:
             items.append(spec)
+        elif spec.matrix:
+            per_expert = spec.shape[1] * spec.shape[2]
+            items.extend(ParamSpec(name=f"{spec.name}[{start}:{stop}]",
+                                   shape=((stop - start) // per_expert, *spec.shape[1:]), matrix=True)
+                         for start, stop in bounds)
         else:
             items.extend(ParamSpec(name=f"{spec.name}[{start}:{stop}]", shape=(stop - start,), matrix=False)
                          for start, stop in bounds)
@@ -331,12 +379,13 @@ def expand_pieces(specs: Sequence[ParamSpec],
 
 
 def _expand_pieces(
-    specs: Sequence[ParamSpec], ranges: Sequence[tuple[int, int]], split_numel: int | None
+    specs: Sequence[ParamSpec], ranges: Sequence[tuple[int, int]], split_numel: int | None,
+    held_numels: Sequence[int] | None = None,
 ) -> tuple[tuple[ParamSpec, ...], tuple[tuple[int, int, int], ...], list[tuple[int, int]]]:
     """Items (piece specs), their ``(tensor, start, stop)``, and the bucket ranges over items."""
     if split_numel is None:
         return tuple(specs), tuple((index, 0, spec.numel) for index, spec in enumerate(specs)), list(ranges)
-    items, pieces = expand_pieces(specs, split_numel)
+    items, pieces = expand_pieces(specs, split_numel, held_numels=held_numels)
     first_item = [0] * (len(specs) + 1)
     for item, (tensor, start, _) in enumerate(pieces):
         if start == 0:
@@ -443,8 +492,8 @@ def plan_dp_partitions(
     # The buckets before tensors in pieces had buckets of their own: every plan on them is a plan
     # on the finer buckets, and the cost-only plan on them is the step time never to exceed.
     joint_ranges = tensor_ranges if split_numel is None else plan_buckets(specs, bucket_numel, held_numels=held)
-    joint = _expand_pieces(specs, joint_ranges, split_numel)[2] if joint_ranges != tensor_ranges else None
-    specs, pieces, ranges = _expand_pieces(specs, tensor_ranges, split_numel)
+    joint = _expand_pieces(specs, joint_ranges, split_numel, held)[2] if joint_ranges != tensor_ranges else None
+    specs, pieces, ranges = _expand_pieces(specs, tensor_ranges, split_numel, held)
     costs = tuple(_priced(model, model.cost, specs))
     for spec, value in zip(specs, costs):
         if not (value >= 0.0 and math.isfinite(value)):

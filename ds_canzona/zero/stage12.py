@@ -239,11 +239,18 @@ class CanzonaZeroOptimizer(OwnerRuntime):
                 self.bucket_tensors[plan.bucket_of[item]].append(tensor)
 
     def _item_slice(self, tensor_view: torch.Tensor, item: int) -> torch.Tensor:
-        """Item ``item``'s part of its tensor's ``tensor_view``: the view itself when whole, else 1-D."""
+        """Item ``item``'s part of its tensor's ``tensor_view``: the view itself when whole, else shaped
+        like the item (1-D for a non-matrix piece, its experts for a piece of a matrix stack)."""
         start, stop = self.layout.piece_range[item]
         if start == 0 and stop == tensor_view.numel():
             return tensor_view
-        return tensor_view.view(-1)[start:stop]
+        return self._shaped_piece(tensor_view.view(-1)[start:stop], item)
+
+    def _shaped_piece(self, flat: torch.Tensor, item: int) -> torch.Tensor:
+        """A piece's flat elements in the item's shape: a stack piece ``[experts, rows, cols]`` (a matrix
+        rule updates each expert as a matrix), a non-matrix piece 1-D as it is."""
+        spec = self.plan.specs[item]
+        return flat.view(spec.shape) if spec.matrix else flat
 
     def _build_buffers(self) -> None:
         plan = self.plan
@@ -374,7 +381,7 @@ class CanzonaZeroOptimizer(OwnerRuntime):
         tensor = self.plan.pieces[j][0]
         start, stop = self.layout.piece_range[j]
         whole = start == 0 and stop == self.params[tensor].numel()
-        return segment.view_as(self.params[tensor]) if whole else segment
+        return segment.view_as(self.params[tensor]) if whole else self._shaped_piece(segment, j)
 
     # ------------------------------------------------------------------ backward
     def _register_grad_hooks(self) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ds_canzona.optim.base import join_stack_states, slice_stack_state
 from ds_canzona.zero.checkpoint.agreement import Agreement, tag_hash
 from ds_canzona.zero.checkpoint.batch import batch_change_warning, batch_record
 from ds_canzona.zero.checkpoint.files import atomic_write, remove_stale, resolve_tag, write_bytes, write_shard
@@ -346,13 +347,27 @@ def _check_owned_reads(ckpt: Checkpoint, owned_tensors: list, with_state: bool, 
             # Saved in other pieces (another split_numel, or whole): the items covering its
             # element range must exist, with their shapes and state keys (file headers only).
             _, start, stop = _item_tensor_range(zero, owned.index)
-            for item in ckpt.covering_items(zero.names[owned.tensor], start, stop):
+            tensor = zero.names[owned.tensor]
+            if ckpt.is_stack(tensor):
+                # Whole experts: the covering items' keys, cut to the experts read and joined (renumbered).
+                ranges = ckpt.stack_ranges(tensor, start, stop)
+                covering = [(item, None) for item, _, _, _ in ranges]
+                if with_state:
+                    keys = set(join_stack_states([
+                        (last - first, slice_stack_state(ckpt.state_shapes(item["name"]), experts, first, last))
+                        for item, experts, first, last in ranges]))
+                    if keys != set(owned.state):
+                        raise CheckpointError(f"optimizer state of {owned.name!r} read from {ckpt.directory} has keys "
+                                              f"{sorted(keys)}, this optimizer expects {sorted(owned.state)}")
+            else:
+                covering = [(item, None) for item in ckpt.covering_items(tensor, start, stop)]
+            for item, _ in covering:
                 shape = ckpt.master_shape(item["name"])
                 if shape != list(item["shape"]):
                     raise CheckpointError(f"{master_key(item['name'])!r} has shape {shape} in "
                                           f"{ckpt.file_path(item['file'])}, the manifest says {item['shape']}")
                 saved = ckpt.state_shapes(item["name"])
-                if with_state and set(saved) != set(owned.state):
+                if with_state and not ckpt.is_stack(tensor) and set(saved) != set(owned.state):
                     raise CheckpointError(f"optimizer state of {item['name']!r} in {ckpt.file_path(item['file'])} "
                                           f"has keys {sorted(saved)}, this optimizer expects {sorted(owned.state)}")
             continue

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from ds_canzona.optim.base import join_stack_states, slice_stack_state
 from ds_canzona.zero.checkpoint.files import resolve_tag
 from ds_canzona.zero.checkpoint.format import (DTYPE_BYTES, FORMAT, LATEST_FILE, META_FILE, CheckpointError,
                                                master_key, read_meta, state_key)
@@ -111,6 +112,8 @@ class Checkpoint:
         master; the others (the step counter, plain values) are the same in every piece and come
         from the first.
         """
+        if self.is_stack(tensor):
+            return self._read_stack_range(tensor, start, stop, shape, with_state=with_state)
         masters, states = [], {}
         for number, item in enumerate(self.covering_items(tensor, start, stop)):
             lo, hi = max(start, item["start"]) - item["start"], min(stop, item["stop"]) - item["start"]
@@ -125,6 +128,54 @@ class Checkpoint:
         joined = {key: torch.cat(value).reshape(shape) if isinstance(value, list) else value
                   for key, value in states.items()}
         return torch.cat(masters).reshape(shape), joined
+
+    def is_stack(self, tensor: str) -> bool:
+        """Whether ``tensor`` is a 3-D stack of matrices (a matrix rule's: its pieces are whole experts)."""
+        return len(self.tensor_shape(tensor)) == 3 and self.tensor_entry(tensor).get("kind") != "adamw"
+
+    def stack_ranges(self, tensor: str, start: int, stop: int) -> list[tuple[dict[str, Any], int, int, int]]:
+        """Per saved item covering experts ``[start, stop)`` (element bounds) of the stack ``tensor``:
+        (item, its expert count, first and stop of the wanted experts within it)."""
+        per_expert = math.prod(self.tensor_shape(tensor)[1:])
+        if start % per_expert or stop % per_expert:
+            raise CheckpointError(f"elements [{start}, {stop}) of the expert stack {tensor!r} are not whole experts "
+                                  f"of {per_expert} elements")
+        ranges = []
+        for item in self.covering_items(tensor, start, stop):
+            if item["start"] % per_expert or item["stop"] % per_expert:
+                raise CheckpointError(f"checkpoint {self.directory} holds {item['name']!r}, not whole experts of "
+                                      f"{per_expert} elements")
+            lo, hi = max(start, item["start"]) - item["start"], min(stop, item["stop"]) - item["start"]
+            ranges.append((item, (item["stop"] - item["start"]) // per_expert, lo // per_expert, hi // per_expert))
+        return ranges
+
+    def _read_stack_range(self, tensor: str, start: int, stop: int, shape: Sequence[int], *,
+                          with_state: bool) -> tuple[torch.Tensor, dict]:
+        """``read_range`` of a stack: its state cut and joined expert by expert (``slice_stack_state``)."""
+        masters, parts = [], []
+        for item, experts, first, last in self.stack_ranges(tensor, start, stop):
+            masters.append(self.master(item["name"])[first:last])
+            if with_state:
+                parts.append((last - first, slice_stack_state(self.state(item["name"]), experts, first, last)))
+        return torch.cat(masters).reshape(shape), join_stack_states(parts) if with_state else {}
+
+    def stack_state_nbytes(self, tensor: str) -> dict[str, int | None]:
+        """Per key of the whole stack's state (as ``tensor_state`` joins it from the saved pieces), its
+        bytes, from the file headers (None for a plain value)."""
+        parts, plain, scalars = [], set(), {}
+        for item, experts, _, _ in self.stack_ranges(tensor, 0, math.prod(self.tensor_shape(tensor))):
+            sized = {}
+            for key, shape in self.state_shapes(item["name"]).items():
+                if shape is None:
+                    plain.add(key)
+                elif not shape:  # 0-dim (the step counter): shared, from the first piece
+                    scalars.setdefault(key, self.nbytes(item["name"], key))
+                else:  # a byte per element byte, so that joining the pieces joins their sizes
+                    width = self.nbytes(item["name"], key) // math.prod(shape)
+                    sized[key] = torch.empty([*shape, width], dtype=torch.uint8, device="meta")
+            parts.append((experts, sized))
+        joined = {key: value.numel() for key, value in join_stack_states(parts).items()}
+        return {**joined, **scalars, **{key: None for key in plain}}
 
     def tensor_master(self, tensor: str) -> torch.Tensor:
         """``tensor``'s fp32 master, whole, with its shape."""
