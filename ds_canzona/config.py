@@ -72,8 +72,9 @@ class CanzonaConfig(DeepSpeedConfigModel):
 
     split_numel: int | None = Field(DEFAULT_SPLIT_NUMEL, ge=0)
     """Plan non-matrix tensors above this many elements as pieces of this size, each owned by one rank (AdamW is
-    elementwise), so a huge embedding does not bound the busiest rank. 0 or null: every tensor whole (0 is what
-    the planner CLI's --split-numel 0 means too)."""
+    elementwise), so a huge embedding does not bound the busiest rank; and 3-D expert stacks above it as pieces
+    of whole experts (as many as fit, at least one: each expert is its own matrix to every matrix rule). 0 or
+    null: every tensor whole (0 is what the planner CLI's --split-numel 0 means too)."""
 
     max_state_bytes_per_rank: int | None = Field(None, gt=0)
     """Hard cap on the bytes any one rank keeps for the items it owns (fp32 masters, optimizer state, reduced-gradient

@@ -237,13 +237,17 @@ def test_cost_model_prices_each_matrix_of_a_stack():
         ParamSpec(name="q", shape=(10, 4), matrix=True, heads=4)
 
 
-def test_planner_keeps_a_stack_whole():
-    # The stack is one tensor with one owner, even where its cost is most of the model's.
+def test_planner_cuts_a_stack_only_at_expert_boundaries():
+    # Up to split_numel (or without it) a stack is one tensor with one owner, even where its cost is
+    # most of the model's; above it, pieces of whole experts, so no cut falls inside an expert.
     specs = [ParamSpec(name="experts", shape=(16, 64, 32), matrix=True),
              *[ParamSpec(name=f"w{i}", shape=(32, 32), matrix=True) for i in range(4)],
              ParamSpec(name="bias", shape=(32,), matrix=False)]
+    whole = plan_dp_partitions(specs, world_size=4, bucket_numel=10**6)
+    assert [spec.name for spec in whole.specs].count("experts") == 1
+    assert all(not 0 < cut < specs[0].numel for cut in whole.buckets[0].cuts)  # the stack leads its bucket
     plan = plan_dp_partitions(specs, world_size=4, bucket_numel=10**6, split_numel=1000)
-    owners = [plan.owner[i] for i, spec in enumerate(plan.specs) if spec.name == "experts"]
-    assert len(owners) == 1
-    start = plan.offset[plan.specs.index(specs[0])]
-    assert all(not start < cut < start + specs[0].numel for cut in plan.buckets[0].cuts)
+    pieces = [i for i, spec in enumerate(plan.specs) if spec.name.startswith("experts[")]
+    assert len(pieces) == 16 and all(plan.specs[i].shape == (1, 64, 32) for i in pieces)
+    assert len({plan.owner[i] for i in pieces}) > 1  # most of the model's cost: it spreads
+    assert all(cut % (64 * 32) == 0 for cut in plan.buckets[0].cuts if cut < specs[0].numel)

@@ -86,3 +86,23 @@ def test_each_piece_of_a_stack_takes_the_update_the_whole_stack_gives_it(rule_cl
         assert cut.keys() == state.keys()
         for key, value in state.items():
             assert torch.equal(cut[key], value), key
+
+
+def test_the_stack_pieces_command_compares_whole_and_pieces(tmp_path, capsys):
+    """``python -m ds_canzona.bench stack-pieces`` on the MoE cell whose whole stacks set a step 14% over
+    LPT: in pieces its busiest rank's cost is lower, and a shape without stacks is refused."""
+    pytest.importorskip("transformers")
+    import json
+
+    from ds_canzona.bench.__main__ import COMMANDS
+    from ds_canzona.cli import dispatch
+
+    output = tmp_path / "stacks.json"
+    assert dispatch("bench", COMMANDS, ["stack-pieces", "--shapes", "qwen3moe16-h2048-mi1408-l24", "--dp", "32",
+                                        "--pricings", "gram", "--json", str(output)]) == 0
+    assert "| qwen3moe16-h2048-mi1408-l24 | gram | 32 |" in capsys.readouterr().out
+    (row,) = json.loads(output.read_text())["rows"]
+    assert row["items_pieces"] > row["items_whole"]
+    assert row["cost_whole_over_lpt"] > 1.1 and row["cost_pieces_over_whole"] < 0.95
+    with pytest.raises(SystemExit, match="stackless"):
+        dispatch("bench", COMMANDS, ["stack-pieces", "--shapes", "dense-h2048-i5632-l24"])

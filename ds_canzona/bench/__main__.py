@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "balance": ("ds_canzona.bench.benchmarks.balance:BALANCE", "DP load balance on the shipped Qwen3 configs, vs LPT"),
     "plan-speed": ("ds_canzona.bench.benchmarks.balance:PLAN_SPEED", "time the planner on 10,000 tensors at DP=1024"),
     "plan-bounds": ("ds_canzona.bench.benchmarks.plan_bounds:PLAN_BOUNDS", "the default plan on unshipped shapes vs a lower bound on memory"),
+    "stack-pieces": ("ds_canzona.bench.benchmarks.stack_pieces:STACK_PIECES", "MoE expert stacks planned whole vs in pieces of whole experts"),
     "kernels": ("ds_canzona.bench.benchmarks.kernels", "Triton kernels against torch and cuBLAS (GPU)"),
     "step": ("ds_canzona.bench.benchmarks.step:STEP", "real training steps on gloo ranks against DeepSpeed's Muon"),
     "step-offload": ("ds_canzona.bench.benchmarks.step_offload:STEP_OFFLOAD", "optimizer offload: ds_canzona vs DeepSpeed's offloaded Muon"),

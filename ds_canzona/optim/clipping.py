@@ -1,8 +1,8 @@
 """Gradient-norm clipping that gives the same bits at every world size, read by the host once.
 
 The global norm is summed from per-item squared norms in float64, in buffer order; an item is a
-tensor, or one of the canonical pieces of a large non-matrix tensor
-(``ds_canzona.plan.piece_bounds``: a function of the tensor alone). The distributed step fills in
+tensor, or one of the canonical pieces of a large non-matrix tensor or expert stack
+(``ds_canzona.plan.item_bounds``: a function of the tensor alone). The distributed step fills in
 the entries of the items a rank owns, all-reduces the vector (every entry is non-zero on exactly
 one rank, so the sum is exact) and then every rank sums it in the same order. The single-process
 reference calls the same two functions on the same items, so the clip coefficient is

@@ -346,21 +346,22 @@ def _priced(model: object, price: Callable[[ParamSpec], float], specs: Sequence[
 
 
 def expand_pieces(specs: Sequence[ParamSpec], split_numel: int | None, *,
-                  held_numels: Sequence[int] | None = None,
+                  held_numels: Sequence[int] | None = None, split_stacks: bool = True,
                   ) -> tuple[tuple[ParamSpec, ...], tuple[tuple[int, int, int], ...]]:
     """The plan items of ``specs`` (a piece spec for each canonical piece) and their ``(tensor, start, stop)``.
 
     Each tensor becomes its ``item_bounds``: a non-matrix piece is a 1-D spec, a piece of a 3-D
     matrix stack a stack spec of its experts. A stack a rank's buffer does not hold whole
     (``held_numels`` below its numel: a tensor-parallel slice, whose experts are not contiguous
-    in the buffer) stays one item. Shared by the ZeRO-1/2 and the ZeRO-3 planners, so both own
-    the same items.
+    in the buffer) stays one item, as does every stack with ``split_stacks=False`` (the plan before
+    stacks were cut, which ``bench stack-pieces`` compares with). Shared by the ZeRO-1/2 and the
+    ZeRO-3 planners, so both own the same items.
     """
     items: list[ParamSpec] = []
     pieces: list[tuple[int, int, int]] = []
     for index, spec in enumerate(specs):
         held_whole = held_numels is None or held_numels[index] == spec.numel
-        if spec.matrix and not (len(spec.shape) == 3 and held_whole):
+        if spec.matrix and not (len(spec.shape) == 3 and held_whole and split_stacks):
             bounds = [(0, spec.numel)]
         else:
             bounds = item_bounds(spec.shape, spec.matrix, split_numel)
@@ -380,12 +381,12 @@ def expand_pieces(specs: Sequence[ParamSpec], split_numel: int | None, *,
 
 def _expand_pieces(
     specs: Sequence[ParamSpec], ranges: Sequence[tuple[int, int]], split_numel: int | None,
-    held_numels: Sequence[int] | None = None,
+    held_numels: Sequence[int] | None = None, split_stacks: bool = True,
 ) -> tuple[tuple[ParamSpec, ...], tuple[tuple[int, int, int], ...], list[tuple[int, int]]]:
     """Items (piece specs), their ``(tensor, start, stop)``, and the bucket ranges over items."""
     if split_numel is None:
         return tuple(specs), tuple((index, 0, spec.numel) for index, spec in enumerate(specs)), list(ranges)
-    items, pieces = expand_pieces(specs, split_numel, held_numels=held_numels)
+    items, pieces = expand_pieces(specs, split_numel, held_numels=held_numels, split_stacks=split_stacks)
     first_item = [0] * (len(specs) + 1)
     for item, (tensor, start, _) in enumerate(pieces):
         if start == 0:
@@ -451,6 +452,7 @@ def plan_dp_partitions(
     memory: MemoryModel | None = None,
     max_state_bytes_per_rank: int | None = None,
     held_numels: Sequence[int] | None = None,
+    split_stacks: bool = True,
 ) -> DPPlan:
     """Plan DP ownership of ``specs`` (in buffer order) over ``world_size`` ranks.
 
@@ -468,6 +470,10 @@ def plan_dp_partitions(
     TP rank agrees on the plan, and passes each tensor's largest TP slice here, so that a bucket
     holds at most ``bucket_numel`` elements of what a rank actually reduces (or one larger tensor
     alone). Costs, memory, cuts and offsets stay in the specs' elements.
+
+    ``split_stacks`` (default True): with ``split_numel``, 3-D matrix stacks above it are planned
+    in pieces of whole experts (``stack_piece_bounds``); False keeps them whole, the plan before
+    they were cut (the runtime always cuts; benchmarks compare the two).
     """
     specs = tuple(specs)
     if not specs:
@@ -492,8 +498,9 @@ def plan_dp_partitions(
     # The buckets before tensors in pieces had buckets of their own: every plan on them is a plan
     # on the finer buckets, and the cost-only plan on them is the step time never to exceed.
     joint_ranges = tensor_ranges if split_numel is None else plan_buckets(specs, bucket_numel, held_numels=held)
-    joint = _expand_pieces(specs, joint_ranges, split_numel, held)[2] if joint_ranges != tensor_ranges else None
-    specs, pieces, ranges = _expand_pieces(specs, tensor_ranges, split_numel, held)
+    joint = (_expand_pieces(specs, joint_ranges, split_numel, held, split_stacks)[2]
+             if joint_ranges != tensor_ranges else None)
+    specs, pieces, ranges = _expand_pieces(specs, tensor_ranges, split_numel, held, split_stacks)
     costs = tuple(_priced(model, model.cost, specs))
     for spec, value in zip(specs, costs):
         if not (value >= 0.0 and math.isfinite(value)):

@@ -17,7 +17,8 @@ come last and fill whatever rank has room: these are the "tail owners".
 Pieces. With ``split_numel``, a non-matrix tensor above that size is planned as its canonical
 pieces (``piece_bounds``, the same items as the ZeRO-1/2 plan and the single-process clipping
 norm), each owned by one rank: AdamW is elementwise, so a 256k-vocabulary embedding spreads
-over many ranks instead of sitting whole on one.
+over many ranks instead of sitting whole on one. A 3-D expert stack above that size is planned
+as pieces of whole experts (``item_bounds``), each a stack of its own to the matrix rule.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ class GradientAfterReductionError(RuntimeError):
 
 @dataclass
 class OwnedTensor:
-    """What the owner rank keeps for one item (a whole tensor, or a piece of a non-matrix one).
+    """What the owner rank keeps for one item (a whole tensor, or a piece of a non-matrix one or of an expert stack).
 
     ``index`` is the item's index in the plan, ``tensor`` its tensor's index in ``params``;
     ``name`` is the tensor's name for a whole tensor, ``name[start:stop]`` for a piece.

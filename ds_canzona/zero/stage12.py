@@ -5,7 +5,8 @@ the per-tensor rule that the single-process ``ds_canzona.optim`` optimizers run,
 fp32 values, and gradient clipping uses a norm summed in float64 in buffer order, one squared
 norm per plan item (``ds_canzona.optim.clipping``), so parameters after a step equal the
 single-process result bit for bit at every world size. Items are whole tensors, and pieces of
-non-matrix tensors above ``canzona.split_numel`` (canonical: the same at every world size).
+non-matrix tensors and of 3-D expert stacks above ``canzona.split_numel`` (canonical: the same
+at every world size; ``ds_canzona.plan.item_bounds``).
 The averaged gradient itself is each rank's accumulated gradient summed over ranks by the
 reduce-scatter and divided by the world size in fp32 (by default; ``GradientReduction`` for
 DeepSpeed's keys that move the division before the sum or change the dtypes); what differs

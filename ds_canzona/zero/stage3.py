@@ -2,7 +2,7 @@
 
 Every trainable tensor has one owner (``ds_canzona.plan.plan_zero3_owners``: balanced on the
 optimizer step's cost and on memory); a non-matrix tensor above ``canzona.split_numel`` elements
-has one per canonical piece instead (see the end of this docstring). The owner's ZeRO-3 shard is the whole tensor, every other
+has one per canonical piece instead, and a 3-D expert stack above it one per piece of whole experts (see the end of this docstring). The owner's ZeRO-3 shard is the whole tensor, every other
 rank's is empty (``ds_canzona.zero.owner_placement``); DeepSpeed's parameter coordinator still
 fetches, prefetches and releases parameters around each module, now by broadcasts from the
 owners. In backward each gradient is summed onto its owner only (a ``reduce`` per item), so
@@ -46,8 +46,8 @@ all-gather stream, waits for an event recorded after the owners wrote their shar
 (``ds_canzona.zero.streams``; docs/ARCHITECTURE.md). On the CPU that is all a no-op.
 
 Non-matrix tensors use the same owner layout: whole up to ``canzona.split_numel`` elements,
-above it in the canonical pieces of ``ds_canzona.plan.piece_bounds``, each piece owned like a
-tensor. That was chosen over DeepSpeed's even layout by measurement and by contract
+above it in the canonical pieces of ``ds_canzona.plan.item_bounds``, each piece owned like a
+tensor (expert stacks too, in pieces of whole experts: each expert is its own matrix to the rule). That was chosen over DeepSpeed's even layout by measurement and by contract
 (docs/NOTES.md, "ZeRO-3: non-matrix tensors in pieces"): the busiest rank's elements come within
 a few percent of the even layout's (whole ownership: 2-33x the average with a large vocabulary),
 while the items stay those of the ZeRO-1/2 plan and the single-process clipping norm, so the
