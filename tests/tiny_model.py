@@ -220,6 +220,33 @@ class HFCausalLM(nn.Module):
         return F.cross_entropy(logits.reshape(-1, self.vocab).float(), tokens[:, 1:].reshape(-1))
 
 
+class HFMoECausalLM(nn.Module):
+    """A transformers Qwen3MoeForCausalLM (no download), as a loss: two layers of four experts, top 2,
+    held as transformers 5 holds them, two fused 3-D stacks per layer (``mlp.experts.gate_up_proj``
+    ``[4, 64, 16]`` and ``mlp.experts.down_proj`` ``[4, 16, 32]``)."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        config = Qwen3MoeConfig(vocab_size=61, hidden_size=16, intermediate_size=24, moe_intermediate_size=32,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+                                num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, tie_word_embeddings=False,
+                                use_cache=False, attn_implementation="eager")
+        self.model = Qwen3MoeForCausalLM(config)
+        self.model.train()
+        self.vocab = config.vocab_size
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids=tokens[:, :-1]).logits
+        return F.cross_entropy(logits.reshape(-1, self.vocab).float(), tokens[:, 1:].reshape(-1))
+
+
+def make_hf_moe_model(seed: int = 0) -> HFMoECausalLM:
+    torch.manual_seed(seed)
+    return HFMoECausalLM()
+
+
 class LoRALinear(nn.Module):
     """A frozen Linear plus a trainable low-rank update ``B @ A`` (both non-zero, so both get gradients)."""
 

@@ -7,7 +7,7 @@ from collections import Counter
 
 import torch
 
-from tiny_model import batches, make_checkpointed_model, make_hf_model, make_model, make_moe_model, uses_branch
+from tiny_model import batches, make_checkpointed_model, make_hf_model, make_hf_moe_model, make_model, make_moe_model, uses_branch
 
 BASE_CONFIG = {
     "train_micro_batch_size_per_gpu": 2,
@@ -346,7 +346,7 @@ class _ThreeTensorLM(torch.nn.Module):
 
 
 MODELS = {"tiny": make_model, "three": _ThreeTensorLM, "checkpointed": make_checkpointed_model, "hf": make_hf_model,
-          "moe": make_moe_model}
+          "moe": make_moe_model, "hf_moe": make_hf_moe_model}
 
 
 def allocated_state_bytes(rank: int, world_size: int, scenarios: list[dict]) -> list[dict]:

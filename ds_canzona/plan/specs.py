@@ -48,7 +48,8 @@ class ParamSpec:
     Which matrices a matrix tensor is updated as (priced by ``matrix_stack``): a 3-D tensor is a
     stack of ``shape[0]`` matrices (MoE experts), each its own; 4 or more dims are one
     ``(shape[0], rest)`` matrix (a convolution filter). ``heads`` > 1 (per-head Muon) makes a 2-D
-    matrix ``heads`` matrices of ``shape[0] / heads`` rows. The tensor is owned whole either way.
+    matrix ``heads`` matrices of ``shape[0] / heads`` rows. A 2-D tensor is owned whole either way; a
+    3-D stack above the planner's ``split_numel`` is planned in pieces of whole experts (``item_bounds``).
     """
 
     name: str
