@@ -279,10 +279,6 @@ def plan_bound_row(shape: str, pricing: str, world: int, *, with_bound: bool = T
                     seconds=seconds)
 
 
-def _row(cell: tuple[str, str, int]) -> BoundRow:
-    return plan_bound_row(*cell)
-
-
 def markdown(rows: Sequence[BoundRow], *, misses_only: bool) -> str:
     lines = ["| shape | pricing | DP | busiest cost / LPT | busiest bytes / average | target | bound | verdict |",
              "|---|---|---:|---:|---:|---:|---:|---|"]
@@ -307,20 +303,26 @@ def add_plan_bounds_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", help="also write every row as JSON")
 
 
-def run_plan_bounds(args: argparse.Namespace) -> int:
-    shapes = list(SHAPES) if args.shapes is None else [s.strip() for s in args.shapes.split(",") if s.strip()]
-    unknown = [s for s in shapes if s not in SHAPES]
+def rows_of_cells(args: argparse.Namespace, command: str, known: Sequence[str], row: Callable, *,
+                  unknown_label: str = "unknown") -> list:
+    """``row(shape, pricing, dp)`` for every cell the command line asks for (``--shapes`` among
+    ``known``, ``--pricings``, ``--dp``), in ``--processes`` processes; ``row`` must pickle."""
+    shapes = list(known) if args.shapes is None else [s.strip() for s in args.shapes.split(",") if s.strip()]
+    unknown = [s for s in shapes if s not in known]
     if unknown:
-        raise SystemExit(f"plan-bounds: unknown shape(s) {', '.join(unknown)}; known: {', '.join(SHAPES)}")
+        raise SystemExit(f"{command}: {unknown_label} shape(s) {', '.join(unknown)}; known: {', '.join(known)}")
     cells = [(shape, pricing, int(dp)) for shape in shapes for pricing in args.pricings.split(",")
              for dp in args.dp.split(",")]
     if args.processes > 1:
         from multiprocessing import Pool
 
         with Pool(args.processes) as pool:
-            rows = pool.map(_row, cells)
-    else:
-        rows = [_row(cell) for cell in cells]
+            return pool.starmap(row, cells)
+    return [row(*cell) for cell in cells]
+
+
+def run_plan_bounds(args: argparse.Namespace) -> int:
+    rows = rows_of_cells(args, "plan-bounds", list(SHAPES), plan_bound_row)
     print(markdown(rows, misses_only=not args.all))
     notes = sorted({row.note for row in rows if row.note})
     for note in notes:

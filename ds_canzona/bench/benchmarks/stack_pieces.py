@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from ...cli import Command
 from ...plan import cost_model, lpt_loads, plan_dp_partitions
 from ...plan.dp import DEFAULT_SPLIT_NUMEL
-from .plan_bounds import BUCKET, DP_SIZES, MACHINE_BALANCE, PRICINGS, SHAPES
+from .plan_bounds import BUCKET, DP_SIZES, MACHINE_BALANCE, PRICINGS, SHAPES, rows_of_cells
 
 __all__ = ["STACK_PIECES", "StackRow", "moe_stack_shapes", "stack_row"]
 
@@ -68,10 +68,6 @@ def stack_row(shape: str, pricing: str, world: int) -> StackRow:
                     memory_pieces=pieces_memory, seconds_whole=whole_seconds, seconds_pieces=pieces_seconds)
 
 
-def _row(cell: tuple[str, str, int]) -> StackRow:
-    return stack_row(*cell)
-
-
 def markdown(rows: Sequence[StackRow]) -> str:
     lines = ["| shape | pricing | DP | items whole / pieces | whole: cost / LPT | pieces: busiest cost / whole's "
              "| bytes / average, whole | in pieces | plan s, whole / pieces |",
@@ -101,20 +97,7 @@ def add_stack_pieces_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_stack_pieces(args: argparse.Namespace) -> int:
-    known = moe_stack_shapes()
-    shapes = known if args.shapes is None else [s.strip() for s in args.shapes.split(",") if s.strip()]
-    unknown = [s for s in shapes if s not in known]
-    if unknown:
-        raise SystemExit(f"stack-pieces: unknown or stackless shape(s) {', '.join(unknown)}; known: {', '.join(known)}")
-    cells = [(shape, pricing, int(dp)) for shape in shapes for pricing in args.pricings.split(",")
-             for dp in args.dp.split(",")]
-    if args.processes > 1:
-        from multiprocessing import Pool
-
-        with Pool(args.processes) as pool:
-            rows = pool.map(_row, cells)
-    else:
-        rows = [_row(cell) for cell in cells]
+    rows = rows_of_cells(args, "stack-pieces", moe_stack_shapes(), stack_row, unknown_label="unknown or stackless")
     print(markdown(rows))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
