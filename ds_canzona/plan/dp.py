@@ -361,7 +361,7 @@ def expand_pieces(specs: Sequence[ParamSpec], split_numel: int | None, *,
     pieces: list[tuple[int, int, int]] = []
     for index, spec in enumerate(specs):
         held_whole = held_numels is None or held_numels[index] == spec.numel
-        if spec.matrix and not (len(spec.shape) == 3 and held_whole and split_stacks):
+        if spec.matrix and not (held_whole and split_stacks):
             bounds = [(0, spec.numel)]
         else:
             bounds = item_bounds(spec.shape, spec.matrix, split_numel)
