@@ -1,0 +1,323 @@
+"""Exact feasibility of a buffer of a few buckets under a cost and a memory capacity.
+
+Rank r's share of the buffer is a contiguous run of every bucket (a chain of items in buffer
+order), the runs in rank order. Which prefixes of the chains the first r ranks can cover with
+every rank within a cost capacity C and a memory capacity M is a set closed downwards: covering
+less of every chain is never harder, since a run inside another costs and holds no more. This
+module keeps that set as a grid over the prefixes of every chain but the longest, each cell
+holding the longest prefix of that one (the *greedy* chain) reached with it, -1 where none is.
+One more rank extends every cell by runs of the grid's chains (every combination of run lengths
+one rank can hold, as whole-grid array operations) and the longest greedy run that fits in what
+is left under both capacities; the result is closed downwards again (a running maximum from the
+far end of every axis). The capacities are feasible iff the far corner reaches the greedy
+chain's end within R ranks.
+
+Where ``_two_chains`` and ``_three_chains`` keep only the undominated states and walk them in
+Python, this walks the whole grid with numpy; its size is the product of the grid chains'
+lengths (plus one), so it serves buffers of a few buckets (``MAX_GRID``): small models with
+their embedding and head split off into buckets of their own, whose memory sits in those two.
+It answers both ways: a layout (and so a plan) when the capacities are feasible, and, when they
+are not, the proof that no plan in this buffer order has every rank within them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+# Above this many grid cells (the grid chains' prefixes) the search is not run.
+MAX_GRID = 400_000
+# Above this many (grid cell, run-length combination) pairs per rank the search is not run.
+MAX_WORK_PER_RANK = 40_000_000
+# Slack on both capacities, so that rounding in the prefix sums does not drop a run on the boundary.
+SLACK = 1e-12
+
+
+Unit = tuple[int, ...]  # items that go to one rank together, consecutive in their bucket
+
+
+def chain_layout(chains: Sequence[Sequence[Unit]], costs: Sequence[float], memory: Sequence[float], world: int,
+                 capacity: float, memory_capacity: float) -> dict[int, int] | None | bool:
+    """Owners with every rank within ``capacity`` (cost) and ``memory_capacity`` (bytes), if any.
+
+    ``chains``: per chain, its units in order (``bucket_chains``, ``relaxed_chains``,
+    ``restricted_chains``). Returns the owner of every item in a unit when a layout exists,
+    ``False`` when none does (no layout of these chains has every rank within both capacities),
+    and ``None`` when the grid is over ``MAX_GRID`` or the work over ``MAX_WORK_PER_RANK`` (not
+    decided).
+    """
+    chains = [list(chain) for chain in chains if chain]
+    if not chains:
+        return {}
+    capacity *= 1.0 + SLACK
+    memory_capacity *= 1.0 + SLACK
+    unit_cost = [[sum(costs[i] for i in unit) for unit in chain] for chain in chains]
+    unit_bytes = [[sum(memory[i] for i in unit) for unit in chain] for chain in chains]
+    if any(c > capacity for chain in unit_cost for c in chain) or \
+            any(m > memory_capacity for chain in unit_bytes for m in chain):
+        return False
+    greedy = max(range(len(chains)), key=lambda b: (len(chains[b]), -b))
+    grid = [b for b in range(len(chains)) if b != greedy]
+    shape = tuple(len(chains[b]) + 1 for b in grid)
+    cells = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if cells > MAX_GRID:
+        return None
+
+    def prefix(values: Sequence[float]) -> np.ndarray:
+        return np.concatenate(([0.0], np.cumsum(np.asarray(values, dtype=np.float64))))
+
+    cost_g, bytes_g = prefix(unit_cost[greedy]), prefix(unit_bytes[greedy])
+    n_g = len(chains[greedy])
+    cost_p = [prefix(unit_cost[b]) for b in grid]
+    bytes_p = [prefix(unit_bytes[b]) for b in grid]
+    combos = _run_combinations(cost_p, bytes_p, capacity, memory_capacity)
+    if cells * len(combos) > MAX_WORK_PER_RANK:
+        return None
+    total_cost = float(cost_g[-1]) + sum(float(p[-1]) for p in cost_p)
+    total_bytes = float(bytes_g[-1]) + sum(float(q[-1]) for q in bytes_p)
+    if total_cost > world * capacity or total_bytes > world * memory_capacity:
+        return False
+    # Covered cost and bytes of every grid cell's grid-chain prefixes (the greedy chain's added per cell).
+    grid_cost = _outer_sum(cost_p, shape)
+    grid_bytes = _outer_sum(bytes_p, shape)
+    reach = np.full(shape, -1, dtype=np.int32)
+    reach[(0,) * len(shape)] = 0
+    history = [reach]
+    corner = tuple(n - 1 for n in shape)
+    while len(history) <= world and reach[corner] < n_g:
+        ranks_left = world - (len(history) - 1)
+        step = _extend(reach, combos, shape, cost_p, bytes_p, cost_g, bytes_g, grid_cost, grid_bytes, capacity,
+                       memory_capacity, _floor(total_cost, ranks_left - 1, capacity),
+                       _floor(total_bytes, ranks_left - 1, memory_capacity))
+        for axis in range(len(shape)):
+            step = np.flip(np.maximum.accumulate(np.flip(step, axis), axis=axis), axis)
+        history.append(step)
+        reach = step
+    if reach[corner] < n_g:
+        return False
+    grid_runs, greedy_ends = _walk_back(history, combos, cost_p, bytes_p, cost_g, bytes_g, capacity, memory_capacity)
+    owner: dict[int, int] = {}
+    for axis, b in enumerate(grid):
+        for rank, (start, end) in enumerate(grid_runs):
+            for unit in chains[b][start[axis]:end[axis]]:
+                owner.update((item, rank) for item in unit)
+    covered = 0
+    for rank, end in enumerate(greedy_ends):
+        for unit in chains[greedy][covered:max(covered, end)]:
+            owner.update((item, rank) for item in unit)
+        covered = max(covered, end)
+    return owner
+
+
+def bucket_chains(buckets: Sequence[tuple[int, int]]) -> list[list[Unit]]:
+    """The buffer as it is: every bucket a chain, every item a unit."""
+    return [[(item,) for item in range(first, stop)] for first, stop in buckets]
+
+
+def relaxed_chains(buckets: Sequence[tuple[int, int]], costs: Sequence[float], memory: Sequence[float],
+                   world: int, negligible: float = 1e-3) -> list[list[Unit]]:
+    """Chains whose every layout within the capacities follows from one of the buffer's: a smaller search.
+
+    Items under ``negligible`` of an average rank in both cost and bytes are left out (a plan
+    without them is no busier). Then the buckets whose items are all alike, and alike across
+    them (an embedding and an untied head in pieces: the same piece, bar the last), are laid
+    end to end: alike items go anywhere among themselves, so their order costs nothing, and one
+    chain of them is exactly as free as several. A bucket whose last piece is smaller has that
+    piece left out first (it holds less than the rest). So where these chains have no layout
+    within the capacities, the buffer has none.
+    """
+    kept = _kept(buckets, costs, memory, world, negligible)
+    chains: list[list[Unit]] = []
+    pools: dict[tuple[float, float], list[Unit]] = {}
+    for items in kept:
+        alike = _alike_pieces(items, costs, memory)
+        if alike is not None and (costs[items[-1]], memory[items[-1]]) != alike:
+            items = items[:-1]  # a smaller last piece: left out
+        if alike is not None:
+            pools.setdefault(alike, []).extend((item,) for item in items)
+        elif items:
+            chains.append([(item,) for item in items])
+    return chains + [pool for _, pool in sorted(pools.items())]
+
+
+def restricted_chains(buckets: Sequence[tuple[int, int]], costs: Sequence[float], memory: Sequence[float],
+                      world: int, negligible: float = 1e-3) -> list[list[Unit]]:
+    """Chains whose every layout is a plan of the buffer: a smaller search that may miss some plans.
+
+    Items under ``negligible`` of an average rank in both cost and bytes go with the item before
+    them in their bucket (the first ones with the item after). Buckets of alike pieces (as in
+    ``relaxed_chains``, last pieces included) are laid end to end: a run across the join is the
+    end of one bucket and the start of the next, each in rank order.
+    """
+    chains: list[list[Unit]] = []
+    pools: dict[tuple[float, float], list[Unit]] = {}
+    average_cost = sum(costs) / world
+    average_bytes = sum(memory) / world
+    for first, stop in buckets:
+        units: list[list[int]] = []
+        pending: list[int] = []
+        for item in range(first, stop):
+            small = costs[item] <= negligible * average_cost and memory[item] <= negligible * average_bytes
+            if small and units:
+                units[-1].append(item)
+            elif small:
+                pending.append(item)
+            else:
+                units.append(pending + [item])
+                pending = []
+        if pending:
+            units.append(pending)
+        alike = _alike_pieces(list(range(first, stop)), costs, memory)
+        if alike is not None:
+            pools.setdefault(alike, []).extend(tuple(unit) for unit in units)
+        elif units:
+            chains.append([tuple(unit) for unit in units])
+    return chains + [pool for _, pool in sorted(pools.items())]
+
+
+def _kept(buckets, costs, memory, world, negligible) -> list[list[int]]:
+    average_cost = sum(costs) / world
+    average_bytes = sum(memory) / world
+    return [[item for item in range(first, stop)
+             if costs[item] > negligible * average_cost or memory[item] > negligible * average_bytes]
+            for first, stop in buckets]
+
+
+def _alike_pieces(items: Sequence[int], costs: Sequence[float], memory: Sequence[float]) -> tuple[float, float] | None:
+    """(cost, bytes) of the pieces when ``items`` are alike pieces (all the same, or, three or more,
+    all but a last one that costs and holds no more), else None."""
+    if not items:
+        return None
+    key = (costs[items[0]], memory[items[0]])
+    body = items[:-1] if len(items) >= 3 else items
+    if any((costs[i], memory[i]) != key for i in body):
+        return None
+    last = items[-1]
+    return key if costs[last] <= key[0] and memory[last] <= key[1] else None
+
+
+def _floor(total: float, ranks: int, capacity: float) -> float:
+    """The least a cell must cover for ``ranks`` more ranks, each within ``capacity``, to cover ``total``.
+
+    The slack keeps rounding in the prefix sums (added in another order than ``total``) from
+    dropping a cell on the boundary."""
+    if ranks == 0:
+        return total * (1.0 - 1e-9)
+    if capacity == float("inf"):
+        return -float("inf")
+    return total - ranks * capacity - 1e-9 * (total + ranks * capacity)
+
+
+def _run_combinations(cost_p: Sequence[np.ndarray], bytes_p: Sequence[np.ndarray], capacity: float,
+                      memory_capacity: float) -> list[tuple[int, ...]]:
+    """Every combination of run lengths (one per grid chain) some rank may hold within both capacities."""
+    cheapest: list[list[tuple[float, float]]] = []
+    for p, q in zip(cost_p, bytes_p):
+        n = len(p) - 1
+        lengths = [(0.0, 0.0)]
+        for d in range(1, n + 1):
+            least_cost = float(np.min(p[d:] - p[:-d]))
+            least_bytes = float(np.min(q[d:] - q[:-d]))
+            if least_cost > capacity or least_bytes > memory_capacity:
+                break
+            lengths.append((least_cost, least_bytes))
+        cheapest.append(lengths)
+    found: list[tuple[int, ...]] = []
+
+    def extend(chain: int, cost: float, held: float, lengths: list[int]) -> None:
+        if chain == len(cheapest):
+            found.append(tuple(lengths))
+            return
+        for d, (c, m) in enumerate(cheapest[chain]):
+            if cost + c > capacity or held + m > memory_capacity:
+                break
+            lengths.append(d)
+            extend(chain + 1, cost + c, held + m, lengths)
+            lengths.pop()
+
+    extend(0, 0.0, 0.0, [])
+    return found
+
+
+def _outer_sum(prefixes: Sequence[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
+    total = np.zeros(shape, dtype=np.float64)
+    for axis, prefix in enumerate(prefixes):
+        total = total + prefix.reshape([-1 if a == axis else 1 for a in range(len(shape))])
+    return total
+
+
+def _extend(reach: np.ndarray, combos: Sequence[tuple[int, ...]], shape: tuple[int, ...], cost_p, bytes_p,
+            cost_g: np.ndarray, bytes_g: np.ndarray, grid_cost: np.ndarray, grid_bytes: np.ndarray, capacity: float,
+            memory_capacity: float, cost_floor: float, bytes_floor: float) -> np.ndarray:
+    """The cells one more rank reaches from ``reach`` (not yet closed downwards)."""
+    step = np.full(shape, -1, dtype=np.int32)
+    live = reach >= 0
+    safe = np.where(live, reach, 0)
+    covered_g_cost = cost_g[safe]
+    covered_g_bytes = bytes_g[safe]
+    for combo in combos:
+        source = tuple(slice(0, n - d) for n, d in zip(shape, combo))
+        target = tuple(slice(d, n) for n, d in zip(shape, combo))
+        if any(s.stop <= 0 for s in source):
+            continue
+        run_cost = grid_cost[target] - grid_cost[source]
+        run_bytes = grid_bytes[target] - grid_bytes[source]
+        room = capacity - run_cost
+        memory_room = memory_capacity - run_bytes
+        ok = live[source] & (room >= 0.0) & (memory_room >= 0.0)
+        if not ok.any():
+            continue
+        start_cost = covered_g_cost[source]
+        start_bytes = covered_g_bytes[source]
+        by_cost = np.searchsorted(cost_g, start_cost + room, side="right") - 1
+        by_bytes = np.searchsorted(bytes_g, start_bytes + memory_room, side="right") - 1
+        reached = np.minimum(by_cost, by_bytes).astype(np.int32)
+        reached = np.maximum(reached, safe[source])
+        # A cell the ranks left cannot finish, even filled to both capacities, leads nowhere.
+        done_cost = grid_cost[target] + cost_g[reached]
+        done_bytes = grid_bytes[target] + bytes_g[reached]
+        ok &= (done_cost >= cost_floor) & (done_bytes >= bytes_floor)
+        view = step[target + (Ellipsis,)]  # a view even when the grid has no axes
+        np.maximum(view, np.where(ok, reached, -1), out=view)
+    return step
+
+
+def _walk_back(history: list[np.ndarray], combos, cost_p, bytes_p, cost_g, bytes_g, capacity: float,
+               memory_capacity: float) -> tuple[list[tuple[tuple[int, ...], tuple[int, ...]]], list[int]]:
+    """From the far corner back to the origin: per rank its grid-chain runs (start and end cells)
+    and the end of its greedy run (its start is where the rank before ended, or earlier)."""
+    shape = history[0].shape
+    target_grid = tuple(n - 1 for n in shape)
+    target_g = len(cost_g) - 1
+    grid_runs: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    greedy_ends: list[int] = []
+    for rank in range(len(history) - 1, 0, -1):
+        before = history[rank - 1]
+        chosen = None
+        for combo in combos:
+            source = tuple(t - d for t, d in zip(target_grid, combo))
+            if any(s < 0 for s in source):
+                continue
+            b = int(before[source])
+            if b < 0:
+                continue
+            end_g = max(b, target_g)
+            run_cost = sum(float(p[t] - p[s]) for p, s, t in zip(cost_p, source, target_grid))
+            run_cost += float(cost_g[end_g] - cost_g[b])
+            run_bytes = sum(float(q[t] - q[s]) for q, s, t in zip(bytes_p, source, target_grid))
+            run_bytes += float(bytes_g[end_g] - bytes_g[b])
+            if run_cost <= capacity and run_bytes <= memory_capacity:
+                chosen = (source, b, end_g)
+                break
+        # A cell closed downwards from one the step reached has a source one rank back (the
+        # module docstring): the runs to it lie inside the runs to the cell it was closed from.
+        assert chosen is not None, "a reached cell has a source one rank back"
+        source, b, end_g = chosen
+        grid_runs.append((source, target_grid))
+        greedy_ends.append(end_g)
+        target_grid, target_g = source, b
+    assert all(s == 0 for s in target_grid) and target_g == 0
+    grid_runs.reverse()
+    greedy_ends.reverse()
+    return grid_runs, greedy_ends
