@@ -23,13 +23,16 @@ are not, the proof that no plan in this buffer order has every rank within them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 # Above this many grid cells (the grid chains' prefixes) the search is not run.
 MAX_GRID = 400_000
-# Above this many (grid cell, run-length combination) pairs per rank the search is not run.
-MAX_WORK_PER_RANK = 40_000_000
+# Above this many grid cells over all ranks (the layouts kept to walk back) the search is not run.
+MAX_HISTORY = 40_000_000
+# (frontier cell, run-length combination) pairs extended at once.
+CHUNK = 1 << 20
 # Slack on both capacities, so that rounding in the prefix sums does not drop a run on the boundary.
 SLACK = 1e-12
 
@@ -37,15 +40,24 @@ SLACK = 1e-12
 Unit = tuple[int, ...]  # items that go to one rank together, consecutive in their bucket
 
 
+@dataclass
+class WorkBudget:
+    """(frontier cell, run-length combination) pairs a caller lets its searches extend, in all."""
+
+    pairs: int
+
+
 def chain_layout(chains: Sequence[Sequence[Unit]], costs: Sequence[float], memory: Sequence[float], world: int,
-                 capacity: float, memory_capacity: float) -> dict[int, int] | None | bool:
+                 capacity: float, memory_capacity: float, *,
+                 budget: WorkBudget | None = None) -> dict[int, int] | None | bool:
     """Owners with every rank within ``capacity`` (cost) and ``memory_capacity`` (bytes), if any.
 
     ``chains``: per chain, its units in order (``bucket_chains``, ``relaxed_chains``,
     ``restricted_chains``). Returns the owner of every item in a unit when a layout exists,
     ``False`` when none does (no layout of these chains has every rank within both capacities),
-    and ``None`` when the grid is over ``MAX_GRID`` or the work over ``MAX_WORK_PER_RANK`` (not
-    decided).
+    and ``None`` when the grid is over ``MAX_GRID``, the grids of all ranks over ``MAX_HISTORY`` or
+    the work over what is left of ``budget`` (not decided; the work done is taken off ``budget``
+    either way, so a caller's searches stay within it and every rank plans the same).
     """
     chains = [list(chain) for chain in chains if chain]
     if not chains:
@@ -72,26 +84,38 @@ def chain_layout(chains: Sequence[Sequence[Unit]], costs: Sequence[float], memor
     cost_p = [prefix(unit_cost[b]) for b in grid]
     bytes_p = [prefix(unit_bytes[b]) for b in grid]
     combos = _run_combinations(cost_p, bytes_p, capacity, memory_capacity)
-    if cells * len(combos) > MAX_WORK_PER_RANK:
+    # The grid is padded beyond every chain's end by the longest run on its axis, at infinite cost:
+    # a run past the end then fails the capacity test like any other, with no bounds to check.
+    padding = [max(combo[axis] for combo in combos) for axis in range(len(shape))]
+    padded = tuple(n + pad for n, pad in zip(shape, padding))
+    if int(np.prod(padded, dtype=np.int64)) * world > MAX_HISTORY:
         return None
+    strides = [int(np.prod(padded[axis + 1:], dtype=np.int64)) for axis in range(len(shape))]
+    offsets = np.asarray([sum(d * stride for d, stride in zip(combo, strides)) for combo in combos], dtype=np.int64)
     total_cost = float(cost_g[-1]) + sum(float(p[-1]) for p in cost_p)
     total_bytes = float(bytes_g[-1]) + sum(float(q[-1]) for q in bytes_p)
     if total_cost > world * capacity or total_bytes > world * memory_capacity:
         return False
     # Covered cost and bytes of every grid cell's grid-chain prefixes (the greedy chain's added per cell).
-    grid_cost = _outer_sum(cost_p, shape)
-    grid_bytes = _outer_sum(bytes_p, shape)
+    beyond = [np.full(pad, np.inf) for pad in padding]
+    grid_cost = _outer_sum([np.concatenate((p, tail)) for p, tail in zip(cost_p, beyond)], padded)
+    grid_bytes = _outer_sum([np.concatenate((q, tail)) for q, tail in zip(bytes_p, beyond)], padded)
+    shape = padded
     reach = np.full(shape, -1, dtype=np.int32)
     reach[(0,) * len(shape)] = 0
     history = [reach]
-    corner = tuple(n - 1 for n in shape)
+    corner = tuple(len(p) - 1 for p in cost_p)
     while len(history) <= world and reach[corner] < n_g:
         ranks_left = world - (len(history) - 1)
-        step = _extend(reach, combos, shape, cost_p, bytes_p, cost_g, bytes_g, grid_cost, grid_bytes, capacity,
+        sources = _frontier(reach)
+        if budget is not None:
+            budget.pairs -= len(sources) * len(combos)
+            if budget.pairs < 0:
+                return None
+        step = _extend(reach, sources, offsets, grid_cost, grid_bytes, cost_g, bytes_g, capacity,
                        memory_capacity, _floor(total_cost, ranks_left - 1, capacity),
                        _floor(total_bytes, ranks_left - 1, memory_capacity))
-        for axis in range(len(shape)):
-            step = np.flip(np.maximum.accumulate(np.flip(step, axis), axis=axis), axis)
+        step = _close_downwards(step)
         history.append(step)
         reach = step
     if reach[corner] < n_g:
@@ -247,48 +271,74 @@ def _outer_sum(prefixes: Sequence[np.ndarray], shape: tuple[int, ...]) -> np.nda
     return total
 
 
-def _extend(reach: np.ndarray, combos: Sequence[tuple[int, ...]], shape: tuple[int, ...], cost_p, bytes_p,
-            cost_g: np.ndarray, bytes_g: np.ndarray, grid_cost: np.ndarray, grid_bytes: np.ndarray, capacity: float,
-            memory_capacity: float, cost_floor: float, bytes_floor: float) -> np.ndarray:
-    """The cells one more rank reaches from ``reach`` (not yet closed downwards)."""
-    step = np.full(shape, -1, dtype=np.int32)
-    live = reach >= 0
-    safe = np.where(live, reach, 0)
-    covered_g_cost = cost_g[safe]
-    covered_g_bytes = bytes_g[safe]
-    for combo in combos:
-        source = tuple(slice(0, n - d) for n, d in zip(shape, combo))
-        target = tuple(slice(d, n) for n, d in zip(shape, combo))
-        if any(s.stop <= 0 for s in source):
-            continue
-        run_cost = grid_cost[target] - grid_cost[source]
-        run_bytes = grid_bytes[target] - grid_bytes[source]
-        room = capacity - run_cost
-        memory_room = memory_capacity - run_bytes
-        ok = live[source] & (room >= 0.0) & (memory_room >= 0.0)
-        if not ok.any():
-            continue
-        start_cost = covered_g_cost[source]
-        start_bytes = covered_g_bytes[source]
-        by_cost = np.searchsorted(cost_g, start_cost + room, side="right") - 1
-        by_bytes = np.searchsorted(bytes_g, start_bytes + memory_room, side="right") - 1
-        reached = np.minimum(by_cost, by_bytes).astype(np.int32)
-        reached = np.maximum(reached, safe[source])
-        # A cell the ranks left cannot finish, even filled to both capacities, leads nowhere.
-        done_cost = grid_cost[target] + cost_g[reached]
-        done_bytes = grid_bytes[target] + bytes_g[reached]
-        ok &= (done_cost >= cost_floor) & (done_bytes >= bytes_floor)
-        view = step[target + (Ellipsis,)]  # a view even when the grid has no axes
-        np.maximum(view, np.where(ok, reached, -1), out=view)
+def _close_downwards(step: np.ndarray) -> np.ndarray:
+    """Every cell gets the most of any cell at or beyond it on every axis."""
+    for axis in range(step.ndim):
+        step = np.flip(np.maximum.accumulate(np.flip(step, axis), axis=axis), axis)
     return step
+
+
+def _frontier(reach: np.ndarray) -> np.ndarray:
+    """Flat indices of the cells no other cell dominates (more of some chain, no less of any)."""
+    undominated = reach >= 0
+    for axis in range(reach.ndim):
+        beyond = np.full(reach.shape, -1, dtype=reach.dtype)
+        inner = [slice(None)] * reach.ndim
+        outer = [slice(None)] * reach.ndim
+        inner[axis], outer[axis] = slice(0, -1), slice(1, None)
+        beyond[tuple(inner)] = reach[tuple(outer)]
+        undominated &= reach > beyond
+    return np.flatnonzero(undominated)
+
+
+def _extend(reach: np.ndarray, sources: np.ndarray, offsets: np.ndarray, grid_cost: np.ndarray,
+            grid_bytes: np.ndarray, cost_g: np.ndarray, bytes_g: np.ndarray, capacity: float, memory_capacity: float,
+            cost_floor: float, bytes_floor: float) -> np.ndarray:
+    """The cells one more rank reaches from ``sources``, ``reach``'s frontier (not yet closed downwards).
+
+    The frontier's cells are the only sources worth extending: from a dominated cell, the runs
+    reach no cell that the runs from the cell dominating it do not dominate. All sources and all
+    run-length combinations (``offsets``: each one's step in the flat grid) at once, in chunks of
+    ``CHUNK`` pairs.
+    """
+    step = np.full(reach.size, -1, dtype=np.int32)
+    flat_reach = reach.reshape(-1)
+    flat_cost = grid_cost.reshape(-1)
+    flat_bytes = grid_bytes.reshape(-1)
+    with_memory = memory_capacity != np.inf
+    per_chunk = max(1, CHUNK // max(1, len(offsets)))
+    for begin in range(0, len(sources), per_chunk):
+        chunk = sources[begin:begin + per_chunk]
+        target = chunk[:, None] + offsets[None, :]
+        room = capacity - (flat_cost[target] - flat_cost[chunk][:, None])
+        ok = room >= 0.0
+        if with_memory:
+            memory_room = memory_capacity - (flat_bytes[target] - flat_bytes[chunk][:, None])
+            ok &= memory_room >= 0.0
+        # Only the pairs within both capacities go on (most combinations of long runs do not).
+        row, column = np.nonzero(ok)
+        target = target[row, column]
+        room = room[row, column]
+        start_g = flat_reach[chunk[row]].astype(np.int64)
+        reached = np.searchsorted(cost_g, cost_g[start_g] + room, side="right") - 1
+        if with_memory:
+            memory_room = memory_room[row, column]
+            by_bytes = np.searchsorted(bytes_g, bytes_g[start_g] + memory_room, side="right") - 1
+            reached = np.minimum(reached, by_bytes)
+        reached = np.maximum(reached, start_g)
+        # A cell the ranks left cannot finish, even filled to both capacities, leads nowhere.
+        finishing = flat_cost[target] + cost_g[reached] >= cost_floor
+        if with_memory:
+            finishing &= flat_bytes[target] + bytes_g[reached] >= bytes_floor
+        np.maximum.at(step, target[finishing], reached[finishing].astype(np.int32))
+    return step.reshape(reach.shape)
 
 
 def _walk_back(history: list[np.ndarray], combos, cost_p, bytes_p, cost_g, bytes_g, capacity: float,
                memory_capacity: float) -> tuple[list[tuple[tuple[int, ...], tuple[int, ...]]], list[int]]:
     """From the far corner back to the origin: per rank its grid-chain runs (start and end cells)
     and the end of its greedy run (its start is where the rank before ended, or earlier)."""
-    shape = history[0].shape
-    target_grid = tuple(n - 1 for n in shape)
+    target_grid = tuple(len(p) - 1 for p in cost_p)
     target_g = len(cost_g) - 1
     grid_runs: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     greedy_ends: list[int] = []

@@ -51,10 +51,12 @@ local search alone, which respects the caps.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ._chain_beam import MAX_EXPANSIONS as BEAM_EXPANSIONS, beam_owner
+from ._chain_grid import WorkBudget, chain_layout, restricted_chains
 from ._free_chains import COST, MEMORY, ChainExchanges
 from ._loads import LoadTree
 from ._packing import Assignment, LocalSearch, Problem, _assignment, _search_budget, balance
@@ -104,6 +106,12 @@ LOOSER_ROCKS = (FIT_TOLERANCE, 10 * FIT_TOLERANCE)
 # Bisection steps of the exact three-bucket search under the memory target (0.4-0.5 s each on
 # Qwen3-0.6B at DP=64): the makespan found is within 1/16 of the way from the best to the budget.
 THREE_CHAIN_STEPS = 4
+# The exact chain-grid search (``_chain_grid``) on buffers of other than three buckets: bisection
+# steps under the memory target (each 0.1-3 s where the grid is large: a 24-layer Qwen3 at hidden
+# 2048, DP=64, five buckets), and the (frontier cell, run combination) pairs all its searches in
+# one plan may extend (about 20 million a second here), so that no plan waits long on it.
+GRID_STEPS = 2
+GRID_PAIRS = 150_000_000
 # Where every candidate is above the LPT target: the capacities (x LPT's makespan) the chain-prefix
 # beam (``_chain_beam``) is asked for, in order, up to the target.
 BEAM_CAPACITIES = (1.0, 1.01, 1.0 + MAKESPAN_OVER_LPT)
@@ -455,7 +463,9 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
     for pouring in pourings:
         candidates.append(_polished(problem, pouring.fewest_cost(problem.lower_bound())))
     lpt_makespan = _lpt_makespan(problem.costs, world)
-    if min(_max_load(world, owner, problem.costs) for owner in candidates) > (1.0 + MAKESPAN_OVER_LPT) * lpt_makespan:
+    grid_work = WorkBudget(GRID_PAIRS)
+    over_lpt_target = (1.0 + MAKESPAN_OVER_LPT) * lpt_makespan
+    if min(_max_load(world, owner, problem.costs) for owner in candidates) > over_lpt_target:
         # Three buckets (a small tied model, its embedding split off) and no packing within the
         # target: the exact search, at LPT's makespan or at the target.
         three = owner_at(problem, [lpt_makespan, (1.0 + MAKESPAN_OVER_LPT) * lpt_makespan])
@@ -476,6 +486,16 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
                 break
             if left <= 0:
                 break
+        # Still none within the target: the exact search over a few chains (``_chain_grid``), where
+        # the buffer, its alike pieces laid end to end, is few enough chains.
+        if min(_max_load(world, owner, problem.costs) for owner in candidates) > over_lpt_target:
+            for factor in BEAM_CAPACITIES:
+                gridded = _grid_owner(problem, memory, factor * lpt_makespan, math.inf, grid_work)
+                if gridded is not None:
+                    candidates.append(gridded)
+                    if pourable:
+                        pourings.append(_Pouring(problem, memory, sand, gridded))
+                    break
     # The makespan: the best found (give or take MAKESPAN_TOLERANCE), never above the cost
     # portfolio's own plan; up to the budget if that buys memory down to the target (see the
     # module docstring and MAKESPAN_OVER_COST_ONLY).
@@ -489,6 +509,7 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
                    max(best_makespan, over_lpt / (1.0 + SAME_MAKESPAN)))
     strict_budget = min(portfolio_makespan, max(makespan, over_lpt))
     budget = min((1.0 + MAKESPAN_OVER_COST_ONLY) * portfolio_makespan, max(makespan, over_lpt))
+    loosest_budget = budget
     memory_target = max(MEMORY_OVER_AVERAGE * total_memory / world,
                         MEMORY_OVER_LARGEST * max(memory, default=0.0))
     # Where the search is worth its two-step exchanges: above the target, or the cap if lower.
@@ -601,6 +622,24 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
                     owner, peak = assignment.owner, search.memory_loads.max_load()
                 if peak <= memory_target:
                     break
+        if peak > memory_target and len(problem.buckets) != 3 and not problem.capped \
+                and budget >= loosest_budget:
+            # Other bucket counts: the exact search over a few chains (``_chain_grid``) with the
+            # memory target as a second capacity, at the loosest budget (it covers the stricter one:
+            # the bisection goes down to the makespan) and bisected down ``GRID_STEPS``. Where it
+            # finds none, the plan stays as it is (none may exist in this order).
+            high_owner = _grid_owner(problem, memory, budget, memory_target, grid_work)
+            if high_owner is not None:
+                low, high = makespan, budget
+                for _ in range(GRID_STEPS if high > low else 0):
+                    middle = (low + high) / 2.0
+                    trial = _grid_owner(problem, memory, middle, memory_target, grid_work)
+                    if trial is None:
+                        low = middle
+                    else:
+                        high_owner, high = trial, middle
+                candidates.append(high_owner)
+                owner, peak = best_at(high)
         if peak > memory_target and len(problem.buckets) == 3 and not problem.capped:
             # Three buckets (a small tied model): the exact search with the memory target as a second
             # capacity, at the makespan, else at the budget bisected down (``THREE_CHAIN_STEPS``).
@@ -671,6 +710,19 @@ class MemoryCapUnreachable(Exception):
         super().__init__(f"busiest-rank memory {peak_memory:g} over the cap")
         self.owner = owner
         self.peak_memory = peak_memory
+
+
+def _grid_owner(problem: Problem, memory: Sequence[float], capacity: float, memory_capacity: float,
+                work: WorkBudget) -> list[int] | None:
+    """Owners from the exact chain-grid search on the buffer's restricted chains, every rank within
+    both capacities; None where there are none or the search is too large for them or for ``work``."""
+    if problem.capped:
+        return None
+    layout = chain_layout(restricted_chains(problem.buckets, problem.costs, memory, problem.world),
+                          problem.costs, memory, problem.world, capacity, memory_capacity, budget=work)
+    if not isinstance(layout, dict):
+        return None
+    return [layout[item] for item in range(len(problem.costs))]
 
 
 def _polished(problem: Problem, owner: list[int]) -> list[int]:
