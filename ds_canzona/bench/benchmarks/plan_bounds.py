@@ -16,10 +16,15 @@ fractionally, covering rather than partitioning, and with the items under 1% of 
 rank in both cost and bytes left out, that is a linear program that accepts every M a plan
 reaches, in any buffer order (so the planner's too); the least M it accepts (bisection,
 ``BISECTION_STEPS``) is a lower bound on the busiest memory of any plan within the capacity. A
-cell whose bound is at or above the target is out of reach; one whose bound is below it is not
-proven either way (the buffer order, which the bound ignores, may still forbid it). Cost misses
-are not bounded here: LPT ignores the order, so only an argument about the order can bound them
-(docs/PLANNER.md has the ones made).
+cell whose bound is at or above the target is out of reach.
+
+The order: where the bound is below the target, and for every cost miss, the exact search over
+the buffer's chains (``ds_canzona.plan._chain_grid``; ``order_search``) asks whether any plan in
+this buffer order has every rank within 1.02x LPT (and, for a memory miss, within the target).
+On the relaxed chains (items under 0.1% of an average rank left out, buckets of alike pieces laid
+end to end) a "no" is a proof: the cell is out of reach. On the restricted chains (those small
+items kept with a neighbour) a "yes" is a plan the planner missed: the cell stays open. Buffers
+of too many chains (MoEs with many buckets) are not decided.
 
 Needs scipy for the LP (``scipy.optimize.linprog``); without it the bound column says so.
 Shapes with MoE stacks are built through ``specs_from_hf_config`` (torch and transformers).
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import tempfile
 import time
@@ -39,6 +45,7 @@ from dataclasses import asdict, dataclass
 from ...cli import Command
 from ...plan import (ParamSpec, cost_model, load_model_config, lpt_loads, plan_dp_partitions, qwen3_specs,
                      specs_from_hf_config)
+from ...plan._chain_grid import chain_layout, relaxed_chains, restricted_chains
 from ...plan._memory_fit import MAKESPAN_OVER_LPT, MEMORY_OVER_AVERAGE, MEMORY_OVER_LARGEST
 from ...plan.dp import DEFAULT_SPLIT_NUMEL
 
@@ -235,6 +242,9 @@ class BoundRow:
     memory_over_average: float
     target_over_average: float
     bound_over_average: float | None  # None: not computed (see ``note``)
+    # The exact search in the buffer's order, for a miss (``order_search``): "no plan", "a plan"
+    # (the planner missed it), "not decided" (too many chains), "" (not asked: the cell is met).
+    order: str
     verdict: str  # "met", "out of reach", "open" (memory), "cost open"
     note: str
     seconds: float
@@ -266,28 +276,51 @@ def plan_bound_row(shape: str, pricing: str, world: int, *, with_bound: bool = T
                 note = f"over {MAX_CONFIGURATIONS} rank contents: bound not computed"
             else:
                 bound = value
+    order = ""
+    over_lpt = (1.0 + MAKESPAN_OVER_LPT) * lpt
     if not cost_met:
-        verdict = "cost open"
+        order = order_search(plan, world, over_lpt, math.inf)
+        verdict = "out of reach" if order == "no plan" else "cost open"
     elif memory_met:
         verdict = "met"
     elif bound is not None and bound >= (target / average) * (1.0 - 1e-9):
         verdict = "out of reach"
     else:
-        verdict = "open"
+        order = order_search(plan, world, over_lpt, target)
+        verdict = "out of reach" if order == "no plan" else "open"
     return BoundRow(shape=shape, pricing=pricing, dp=world, cost_over_lpt=cost_ratio, memory_over_average=peak / average,
-                    target_over_average=target / average, bound_over_average=bound, verdict=verdict, note=note,
-                    seconds=seconds)
+                    target_over_average=target / average, bound_over_average=bound, order=order, verdict=verdict,
+                    note=note, seconds=seconds)
+
+
+def order_search(plan, world: int, capacity: float, memory_capacity: float) -> str:
+    """Whether any plan in ``plan``'s buffer order has every rank within both capacities (the exact
+    chain-grid search, ``ds_canzona.plan._chain_grid``): "no plan" (its relaxed chains have no
+    layout: a proof), "a plan" (its restricted chains have one: a plan of the buffer), or "not
+    decided" (too many chains for the grid, or neither answer)."""
+    buckets = [(bucket.first, bucket.stop) for bucket in plan.buckets]
+    costs, memory = list(plan.costs), list(plan.memory)
+    relaxed = chain_layout(relaxed_chains(buckets, costs, memory, world), costs, memory, world, capacity,
+                           memory_capacity)
+    if relaxed is False:
+        return "no plan"
+    if relaxed is None:
+        return "not decided"
+    restricted = chain_layout(restricted_chains(buckets, costs, memory, world), costs, memory, world, capacity,
+                              memory_capacity)
+    return "a plan" if isinstance(restricted, dict) else "not decided"
 
 
 def markdown(rows: Sequence[BoundRow], *, misses_only: bool) -> str:
-    lines = ["| shape | pricing | DP | busiest cost / LPT | busiest bytes / average | target | bound | verdict |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| shape | pricing | DP | busiest cost / LPT | busiest bytes / average | target | bound | in order | verdict |",
+             "|---|---|---:|---:|---:|---:|---:|---|---|"]
     for row in rows:
         if misses_only and row.verdict == "met":
             continue
         bound = "-" if row.bound_over_average is None else f"{row.bound_over_average:.3f}"
         lines.append(f"| {row.shape} | {row.pricing} | {row.dp} | {row.cost_over_lpt:.4f} | "
-                     f"{row.memory_over_average:.3f} | {row.target_over_average:.3f} | {bound} | {row.verdict} |")
+                     f"{row.memory_over_average:.3f} | {row.target_over_average:.3f} | {bound} | {row.order or '-'} | "
+                     f"{row.verdict} |")
     verdicts = Counter(row.verdict for row in rows)
     lines.append("")
     lines.append(f"{len(rows)} cells: " + ", ".join(f"{verdicts[v]} {v}" for v in ("met", "out of reach", "open", "cost open")))
