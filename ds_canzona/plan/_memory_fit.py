@@ -54,14 +54,17 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ._chain_beam import MAX_EXPANSIONS as BEAM_EXPANSIONS, beam_owner
-from ._chain_grid import WorkBudget, chain_layout, restricted_chains
 from ._free_chains import COST, MEMORY, ChainExchanges
 from ._loads import LoadTree
 from ._packing import Assignment, LocalSearch, Problem, _assignment, _search_budget, balance
 from ._three_chains import owner_at
 from ._two_chains import optimal_owner
+
+if TYPE_CHECKING:  # the grid search needs numpy: imported where it runs, so plain planning does not
+    from ._chain_grid import WorkBudget
 
 # Relative gap at which a bisection (on the memory or the cost capacity) stops.
 FIT_TOLERANCE = 1e-3
@@ -463,7 +466,7 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
     for pouring in pourings:
         candidates.append(_polished(problem, pouring.fewest_cost(problem.lower_bound())))
     lpt_makespan = _lpt_makespan(problem.costs, world)
-    grid_work = WorkBudget(GRID_PAIRS)
+    grid_work = _grid_budget()
     over_lpt_target = (1.0 + MAKESPAN_OVER_LPT) * lpt_makespan
     if min(_max_load(world, owner, problem.costs) for owner in candidates) > over_lpt_target:
         # Three buckets (a small tied model, its embedding split off) and no packing within the
@@ -712,12 +715,25 @@ class MemoryCapUnreachable(Exception):
         self.peak_memory = peak_memory
 
 
+def _grid_budget() -> WorkBudget:
+    """The plan's budget for its grid searches (a ``WorkBudget`` in all but its import: numpy is
+    loaded only when a search runs)."""
+
+    class _Pairs:
+        def __init__(self, pairs: int) -> None:
+            self.pairs = pairs
+
+    return _Pairs(GRID_PAIRS)  # type: ignore[return-value]
+
+
 def _grid_owner(problem: Problem, memory: Sequence[float], capacity: float, memory_capacity: float,
                 work: WorkBudget) -> list[int] | None:
     """Owners from the exact chain-grid search on the buffer's restricted chains, every rank within
     both capacities; None where there are none or the search is too large for them or for ``work``."""
     if problem.capped:
         return None
+    from ._chain_grid import chain_layout, restricted_chains
+
     layout = chain_layout(restricted_chains(problem.buckets, problem.costs, memory, problem.world),
                           problem.costs, memory, problem.world, capacity, memory_capacity, budget=work)
     if not isinstance(layout, dict):
