@@ -31,6 +31,9 @@ import numpy as np
 MAX_GRID = 400_000
 # Above this many grid cells over all ranks (the layouts kept to walk back) the search is not run.
 MAX_HISTORY = 40_000_000
+# Above this many run-length combinations per rank the search is not run (chains of many small
+# items: 2-D experts by the hundred let one rank hold dozens of each, and the combinations multiply).
+MAX_COMBINATIONS = 20_000
 # (frontier cell, run-length combination) pairs extended at once.
 CHUNK = 1 << 20
 # Slack on both capacities, so that rounding in the prefix sums does not drop a run on the boundary.
@@ -84,6 +87,8 @@ def chain_layout(chains: Sequence[Sequence[Unit]], costs: Sequence[float], memor
     cost_p = [prefix(unit_cost[b]) for b in grid]
     bytes_p = [prefix(unit_bytes[b]) for b in grid]
     combos = _run_combinations(cost_p, bytes_p, capacity, memory_capacity)
+    if combos is None:
+        return None
     # The grid is padded beyond every chain's end by the longest run on its axis, at infinite cost:
     # a run past the end then fails the capacity test like any other, with no bounds to check.
     padding = [max(combo[axis] for combo in combos) for axis in range(len(shape))]
@@ -234,8 +239,10 @@ def _floor(total: float, ranks: int, capacity: float) -> float:
 
 
 def _run_combinations(cost_p: Sequence[np.ndarray], bytes_p: Sequence[np.ndarray], capacity: float,
-                      memory_capacity: float) -> list[tuple[int, ...]]:
-    """Every combination of run lengths (one per grid chain) some rank may hold within both capacities."""
+                      memory_capacity: float) -> list[tuple[int, ...]] | None:
+    """Every combination of run lengths (one per grid chain) some rank may hold within both
+    capacities; None past ``MAX_COMBINATIONS`` (chains of many small items: the search would not
+    finish in reasonable time or memory)."""
     cheapest: list[list[tuple[float, float]]] = []
     for p, q in zip(cost_p, bytes_p):
         n = len(p) - 1
@@ -249,19 +256,21 @@ def _run_combinations(cost_p: Sequence[np.ndarray], bytes_p: Sequence[np.ndarray
         cheapest.append(lengths)
     found: list[tuple[int, ...]] = []
 
-    def extend(chain: int, cost: float, held: float, lengths: list[int]) -> None:
+    def extend(chain: int, cost: float, held: float, lengths: list[int]) -> bool:
         if chain == len(cheapest):
             found.append(tuple(lengths))
-            return
+            return len(found) <= MAX_COMBINATIONS
         for d, (c, m) in enumerate(cheapest[chain]):
             if cost + c > capacity or held + m > memory_capacity:
                 break
             lengths.append(d)
-            extend(chain + 1, cost + c, held + m, lengths)
+            going = extend(chain + 1, cost + c, held + m, lengths)
             lengths.pop()
+            if not going:
+                return False
+        return True
 
-    extend(0, 0.0, 0.0, [])
-    return found
+    return found if extend(0, 0.0, 0.0, []) else None
 
 
 def _outer_sum(prefixes: Sequence[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:

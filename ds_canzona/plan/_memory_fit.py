@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -633,14 +633,9 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
             # finds none, the plan stays as it is (none may exist in this order).
             high_owner = _grid_owner(problem, memory, budget, memory_target, grid_work)
             if high_owner is not None:
-                low, high = makespan, budget
-                for _ in range(GRID_STEPS if high > low else 0):
-                    middle = (low + high) / 2.0
-                    trial = _grid_owner(problem, memory, middle, memory_target, grid_work)
-                    if trial is None:
-                        low = middle
-                    else:
-                        high_owner, high = trial, middle
+                high_owner, high = _bisected_down(
+                    lambda capacity: _grid_owner(problem, memory, capacity, memory_target, grid_work),
+                    makespan, budget, high_owner, GRID_STEPS)
                 candidates.append(high_owner)
                 owner, peak = best_at(high)
         if peak > memory_target and len(problem.buckets) == 3 and not problem.capped:
@@ -652,13 +647,9 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
                 high_owner = owner_at(problem, [budget], memory=memory, memory_capacity=memory_target)
                 high = budget
             if high_owner is not None:
-                for _ in range(THREE_CHAIN_STEPS if high > low else 0):
-                    middle = (low + high) / 2.0
-                    trial = owner_at(problem, [middle], memory=memory, memory_capacity=memory_target)
-                    if trial is None:
-                        low = middle
-                    else:
-                        high_owner, high = trial, middle
+                high_owner, high = _bisected_down(
+                    lambda capacity: owner_at(problem, [capacity], memory=memory, memory_capacity=memory_target),
+                    low, high, high_owner, THREE_CHAIN_STEPS)
                 candidates.append(high_owner)
                 owner, peak = best_at(high)
             else:
@@ -713,6 +704,20 @@ class MemoryCapUnreachable(Exception):
         super().__init__(f"busiest-rank memory {peak_memory:g} over the cap")
         self.owner = owner
         self.peak_memory = peak_memory
+
+
+def _bisected_down(search: Callable[[float], list[int] | None], low: float, high: float, owner: list[int],
+                   steps: int) -> tuple[list[int], float]:
+    """``owner`` (found at cost capacity ``high``) and ``high``, moved down by ``steps`` bisection
+    steps towards ``low`` while ``search`` still finds owners (none where ``high`` is not above ``low``)."""
+    for _ in range(steps if high > low else 0):
+        middle = (low + high) / 2.0
+        trial = search(middle)
+        if trial is None:
+            low = middle
+        else:
+            owner, high = trial, middle
+    return owner, high
 
 
 def _grid_budget() -> WorkBudget:
