@@ -12,12 +12,15 @@ is left under both capacities; the result is closed downwards again (a running m
 far end of every axis). The capacities are feasible iff the far corner reaches the greedy
 chain's end within R ranks.
 
-Where ``_two_chains`` and ``_three_chains`` keep only the undominated states and walk them in
-Python, this walks the whole grid with numpy; its size is the product of the grid chains'
-lengths (plus one), so it serves buffers of a few buckets (``MAX_GRID``): small models with
-their embedding and head split off into buckets of their own, whose memory sits in those two.
-It answers both ways: a layout (and so a plan) when the capacities are feasible, and, when they
-are not, the proof that no plan in this buffer order has every rank within them.
+Where ``_two_chains`` and ``_three_chains`` walk their states in Python, this keeps the grid as
+numpy arrays and extends only its frontier (the cells no other dominates), every combination at
+once. Its size is the product of the grid chains' lengths (plus one), so it serves buffers of a
+few chains (``MAX_GRID``), and a chain here is a list of *units* (items that go to one rank
+together): ``relaxed_chains`` and ``restricted_chains`` shrink the buffer first, laying buckets of
+alike pieces (an embedding and an untied head) end to end as one chain and dropping or joining
+the items too small to matter. It answers both ways: a layout (and so a plan) when the
+capacities are feasible, and, when they are not, the proof that no layout of these chains has
+every rank within them (for the relaxed chains: no plan in the buffer's order).
 """
 
 from __future__ import annotations

@@ -466,7 +466,7 @@ def fit(problem: Problem, memory: Sequence[float], sand: Sequence[bool], cost_ow
     for pouring in pourings:
         candidates.append(_polished(problem, pouring.fewest_cost(problem.lower_bound())))
     lpt_makespan = _lpt_makespan(problem.costs, world)
-    grid_work = _grid_budget()
+    grid_work: list[WorkBudget] = []  # the grid searches' budget, made by the first (``_grid_owner``)
     over_lpt_target = (1.0 + MAKESPAN_OVER_LPT) * lpt_makespan
     if min(_max_load(world, owner, problem.costs) for owner in candidates) > over_lpt_target:
         # Three buckets (a small tied model, its embedding split off) and no packing within the
@@ -720,27 +720,20 @@ def _bisected_down(search: Callable[[float], list[int] | None], low: float, high
     return owner, high
 
 
-def _grid_budget() -> WorkBudget:
-    """The plan's budget for its grid searches (a ``WorkBudget`` in all but its import: numpy is
-    loaded only when a search runs)."""
-
-    class _Pairs:
-        def __init__(self, pairs: int) -> None:
-            self.pairs = pairs
-
-    return _Pairs(GRID_PAIRS)  # type: ignore[return-value]
-
-
 def _grid_owner(problem: Problem, memory: Sequence[float], capacity: float, memory_capacity: float,
-                work: WorkBudget) -> list[int] | None:
+                work: list[WorkBudget]) -> list[int] | None:
     """Owners from the exact chain-grid search on the buffer's restricted chains, every rank within
-    both capacities; None where there are none or the search is too large for them or for ``work``."""
+    both capacities; None where there are none or the search is too large for them or for the
+    plan's budget. ``work`` holds that budget, made on the first search (``GRID_PAIRS``): the
+    search needs numpy, so a plan that never asks for one does not import it."""
     if problem.capped:
         return None
-    from ._chain_grid import chain_layout, restricted_chains
+    from ._chain_grid import WorkBudget, chain_layout, restricted_chains
 
+    if not work:
+        work.append(WorkBudget(GRID_PAIRS))
     layout = chain_layout(restricted_chains(problem.buckets, problem.costs, memory, problem.world),
-                          problem.costs, memory, problem.world, capacity, memory_capacity, budget=work)
+                          problem.costs, memory, problem.world, capacity, memory_capacity, budget=work[0])
     if not isinstance(layout, dict):
         return None
     return [layout[item] for item in range(len(problem.costs))]
