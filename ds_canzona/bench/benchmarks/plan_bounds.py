@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from ...cli import Command
-from ...plan import (ParamSpec, cost_model, load_model_config, lpt_loads, plan_dp_partitions, qwen3_specs,
+from ...plan import (DPPlan, ParamSpec, cost_model, load_model_config, lpt_loads, plan_dp_partitions, qwen3_specs,
                      specs_from_hf_config)
 from ...plan._chain_grid import chain_layout, relaxed_chains, restricted_chains
 from ...plan._memory_fit import MAKESPAN_OVER_LPT, MEMORY_OVER_AVERAGE, MEMORY_OVER_LARGEST
@@ -293,7 +293,7 @@ def plan_bound_row(shape: str, pricing: str, world: int, *, with_bound: bool = T
                     note=note, seconds=seconds)
 
 
-def order_search(plan, world: int, capacity: float, memory_capacity: float) -> str:
+def order_search(plan: DPPlan, world: int, capacity: float, memory_capacity: float) -> str:
     """Whether any plan in ``plan``'s buffer order has every rank within both capacities (the exact
     chain-grid search, ``ds_canzona.plan._chain_grid``): "no plan" (its relaxed chains have no
     layout: a proof), "a plan" (its restricted chains have one: a plan of the buffer), or "not
